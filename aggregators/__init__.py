@@ -1,0 +1,12 @@
+"""Aggregation rules: pure functions of stacked client updates.
+
+Contract: `rule(updates: Tensor[n, d] float32, weights: Tensor[n] float32, **params) -> Tensor[d]`.
+`weights` are the clients' example counts (not normalised). Rules are vectorized torch with no
+Flower import; each registers itself in `fedsim.registry.AGGREGATORS` with its parameter model.
+A rule that cannot run on the given n (e.g. Krum needs n >= 2f + 3) raises `AggregationError`.
+"""
+
+from aggregators.base import AggregationError
+from aggregators import fedavg  # noqa: F401  (registers)
+
+__all__ = ["AggregationError"]
