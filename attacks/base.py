@@ -12,12 +12,18 @@ they take part.
 
 from __future__ import annotations
 
-import torch
+from abc import ABC, abstractmethod
 
+import numpy as np
+import torch
+from pydantic import Field, model_validator
+
+from attacks.schedules import FixedFrequency, Schedule
+from fedsim.registry import Params
 from fedsim.updates import RoundContext
 
 
-class ServerAttack:
+class ServerAttack(ABC):
     """Base of the omniscient model-poisoning attacks run by the simulated server (simulation only)."""
 
     side = "server"
@@ -25,5 +31,72 @@ class ServerAttack:
     def __init__(self, params) -> None:
         self.params = params
 
+    @abstractmethod
     def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
-        raise NotImplementedError
+        """The malicious updates `[num_malicious, d]` given the honest ones `[h, d]`."""
+
+
+class AttackParams(Params):
+    """Who the attackers are and when they take part; every attack's parameters extend this.
+
+    Attackers are client (partition) ids: `attacker_ids` if given, else `num_attackers` ids drawn
+    once from the scenario seed.
+    """
+
+    num_attackers: int = Field(1, ge=1)
+    attacker_ids: list[int] | None = None
+    schedule: Schedule = Field(default_factory=FixedFrequency)
+
+    @model_validator(mode="after")
+    def _ids_match(self) -> "AttackParams":
+        if self.attacker_ids is not None:
+            if len(set(self.attacker_ids)) != len(self.attacker_ids):
+                raise ValueError("attacker_ids has duplicates")
+            if any(i < 0 for i in self.attacker_ids):
+                raise ValueError("attacker_ids must be >= 0")
+        return self
+
+    def resolve_attackers(self, num_clients: int, seed: int) -> list[int]:
+        if self.attacker_ids is not None:
+            bad = [i for i in self.attacker_ids if i >= num_clients]
+            if bad:
+                raise ValueError(f"attack.attacker_ids {bad} are not client ids (0..{num_clients - 1})")
+            return sorted(self.attacker_ids)
+        if self.num_attackers >= num_clients:
+            raise ValueError(f"attack.num_attackers={self.num_attackers} must be < federation.num_clients={num_clients}")
+        rng = np.random.default_rng([seed, 0xA77AC])
+        return sorted(rng.choice(num_clients, size=self.num_attackers, replace=False).tolist())
+
+
+class ClientAttack(ABC):
+    """Base of the attacks that run on a malicious client, as a real compromised device would.
+
+    The ClientApp asks the attack for the attacker's training set, lets it hook into local training
+    (`after_step`, e.g. PGD projection) and transform the finished update (`finish_update`, e.g.
+    model-replacement scaling) before the update is encoded for upload. The server asks it for the
+    backdoor test set (`backdoor_test_set`) to measure the backdoor success rate.
+    """
+
+    side = "client"
+
+    def __init__(self, params) -> None:
+        self.params = params
+
+    @abstractmethod
+    def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (x, y) this attacker trains on."""
+
+    def after_step(self, model: torch.nn.Module, global_vec: torch.Tensor, layout, batch: int, last: bool) -> None:
+        """Called after each optimizer step of the attacker's local training."""
+
+    def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
+        """Transform the attacker's finished update; `info` carries the round's config."""
+        return delta
+
+    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, int] | None:
+        """(inputs, target label) on which backdoor success is measured, or None for untargeted attacks."""
+        return None
+
+    def report(self, runtime) -> dict:
+        """Facts about the attack worth keeping in summary.json (e.g. the edge set's density check)."""
+        return {}

@@ -1,0 +1,3 @@
+"""fedsim: simulate federated learning under attack, and defend it."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,108 @@
+"""The edge-case backdoor of "Attack of the Tails" (Wang et al., NeurIPS 2020), §1 of the reference.
+
+The attacker trains on D' = `num_edge` edge-case inputs labelled with the target class plus
+`num_clean` clean training samples with their true labels (66 ARDIS sevens + 100 EMNIST images in
+the paper's code), and reports |D'| as its example count. Modes:
+
+* `blackbox`: plain local SGD on D'.
+* `pgd`: after every `project_every`-th optimizer step and on the last batch of each epoch, project
+  the whole model onto the L2 ball of radius `eps` around the global model.
+* `pgd_replacement`: PGD, then scale the update by Γ = (total examples of this round's
+  participants) / |D'|, the inverse of the attacker's FedAvg weight (model replacement).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from attacks.base import AttackParams, ClientAttack
+from fedsim.data.edge import ArdisEdge, EdgeSpec, SouthwestEdge, TailEdge, build_ardis, build_southwest, build_tail
+from fedsim.registry import ATTACKS, DATASETS
+
+
+class EdgeCaseParams(AttackParams):
+    mode: Literal["blackbox", "pgd", "pgd_replacement"] = "blackbox"
+    edge_set: EdgeSpec = Field(default_factory=TailEdge)
+    num_edge: int = Field(66, ge=1, description="edge-case inputs in D' (paper: 66 ARDIS 7s, 100 Southwest)")
+    num_clean: int = Field(100, ge=0, description="clean samples in D' (paper: 100 EMNIST, 400 CIFAR-10)")
+    eps: float = Field(1.0, gt=0, description="PGD radius (paper README: 1 for EMNIST, 2 for CIFAR-10)")
+    project_every: int = Field(10, ge=1, description="PGD projection period in batches")
+    local_epochs: int | None = Field(None, ge=1, description="attacker's epochs; default: federation.local_epochs")
+    lr: float | None = Field(None, gt=0, description="attacker's lr; default: the honest clients' lr")
+
+
+@ATTACKS.register("edge_case", EdgeCaseParams)
+class EdgeCaseBackdoor(ClientAttack):
+    """Edge-case backdoor (Attack of the Tails): tail inputs relabelled to a target class."""
+
+    def edge_set(self, runtime):
+        spec = self.params.edge_set
+        key = ("edge_set", spec, runtime.scenario.seed)
+        if key not in runtime.cache:
+            if isinstance(spec, TailEdge):
+                edge = build_tail(runtime.data, spec, runtime.scenario.seed)
+            elif isinstance(spec, ArdisEdge):
+                edge = build_ardis(runtime.load_dataset("ardis"), spec, runtime.scenario.seed)
+            elif isinstance(spec, SouthwestEdge):
+                edge = build_southwest(runtime.load_dataset("southwest"), spec, runtime.scenario.seed)
+            else:  # pragma: no cover - the schema admits only the three kinds
+                raise TypeError(spec)
+            if edge.target >= runtime.data.num_classes:
+                raise ValueError(f"edge set target {edge.target} is not a class of {runtime.data.name}")
+            runtime.cache[key] = edge
+        return runtime.cache[key]
+
+    def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        edge = self.edge_set(runtime)
+        p = self.params
+        if p.num_edge > len(edge.x_train):
+            raise ValueError(f"attack.num_edge={p.num_edge} but the edge set has {len(edge.x_train)} training inputs")
+        rng = np.random.default_rng([runtime.scenario.seed, 0xC1EA, partition_id])
+        clean = rng.choice(len(runtime.data.x_train), size=p.num_clean, replace=False)
+        x = np.concatenate([edge.x_train[: p.num_edge], runtime.data.x_train[clean]])
+        y = np.concatenate([np.full(p.num_edge, edge.target, dtype=np.int64), runtime.data.y_train[clean]])
+        return x, y
+
+    def after_step(self, model, global_vec, layout, batch: int, last: bool) -> None:
+        if self.params.mode == "blackbox":
+            return
+        if last or (batch + 1) % self.params.project_every == 0:
+            project_l2(model, global_vec, layout, self.params.eps)
+
+    def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
+        if self.params.mode != "pgd_replacement":
+            return delta
+        return delta * replacement_factor(info["round_total_examples"], info["num_examples"])
+
+    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, int]:
+        edge = self.edge_set(runtime)
+        return edge.x_test, edge.target
+
+    def report(self, runtime) -> dict:
+        edge = self.edge_set(runtime)
+        return {
+            "edge_train_pool": len(edge.x_train),
+            "edge_test": len(edge.x_test),
+            "source_class": edge.source,
+            "target_class": edge.target,
+            "density_check": edge.density,
+        }
+
+
+def replacement_factor(round_total_examples: float, own_examples: float) -> float:
+    """Γ = Σ n_k / |D'|: the inverse of the attacker's FedAvg weight (Attack of the Tails, §1.5)."""
+    return float(round_total_examples) / float(own_examples)
+
+
+@torch.no_grad()
+def project_l2(model: torch.nn.Module, global_vec: torch.Tensor, layout, eps: float) -> None:
+    """w <- w_g + eps (w - w_g)/||w - w_g|| if ||w - w_g|| > eps (whole-model L2 ball)."""
+    w = layout.flatten_model(model)
+    diff = w - global_vec
+    norm = torch.linalg.vector_norm(diff)
+    if norm > eps:
+        layout.load_into(model, global_vec + diff * (eps / norm))

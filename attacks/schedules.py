@@ -1,0 +1,84 @@
+"""When attackers take part, and who they are.
+
+* `fixed_frequency` (Attack of the Tails' "fixed-freq"): in rounds first, first+every, ... one
+  attacker replaces one of the sampled clients; in other rounds no attacker is sampled.
+* `every_round`: the same, every round.
+* `rounds`: the same, in an explicit list of rounds.
+* `fixed_pool` (Attack of the Tails' "fixed-pool"): the attacker pool is fixed once; clients are
+  sampled uniformly from everyone each round and every sampled pool member attacks.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from fedsim.registry import Params
+
+
+class FixedFrequency(Params):
+    name: Literal["fixed_frequency"] = "fixed_frequency"
+    every: int = Field(10, ge=1, description="attack every k rounds")
+    first: int = Field(1, ge=1, description="first attack round")
+    attackers_per_round: int = Field(1, ge=1)
+
+    def is_attack_round(self, rnd: int) -> bool:
+        return rnd >= self.first and (rnd - self.first) % self.every == 0
+
+
+class EveryRound(Params):
+    name: Literal["every_round"] = "every_round"
+    attackers_per_round: int = Field(1, ge=1)
+
+    def is_attack_round(self, rnd: int) -> bool:
+        return True
+
+
+class ExplicitRounds(Params):
+    name: Literal["rounds"] = "rounds"
+    rounds: list[int] = Field(min_length=1)
+    attackers_per_round: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _positive(self) -> "ExplicitRounds":
+        if any(r < 1 for r in self.rounds):
+            raise ValueError("rounds are numbered from 1")
+        return self
+
+    def is_attack_round(self, rnd: int) -> bool:
+        return rnd in self.rounds
+
+
+class FixedPool(Params):
+    name: Literal["fixed_pool"] = "fixed_pool"
+
+    def is_attack_round(self, rnd: int) -> bool:
+        return True
+
+
+Schedule = Annotated[Union[FixedFrequency, EveryRound, ExplicitRounds, FixedPool], Field(discriminator="name")]
+
+
+def sample_round(
+    schedule, rnd: int, num_clients: int, per_round: int, attackers: list[int], rng: np.random.Generator
+) -> tuple[list[int], list[int]]:
+    """This round's sampled client ids (sorted) and the attackers among them.
+
+    Honest clients are drawn without replacement from the non-attackers; under a replacing schedule
+    the attackers (taken round-robin from the attacker list) replace sampled honest clients.
+    """
+    attacker_set = set(attackers)
+    if isinstance(schedule, FixedPool):
+        sampled = sorted(rng.choice(num_clients, size=per_round, replace=False).tolist())
+        return sampled, [c for c in sampled if c in attacker_set]
+    honest = np.array([c for c in range(num_clients) if c not in attacker_set])
+    k = min(schedule.attackers_per_round, len(attackers), per_round) if schedule.is_attack_round(rnd) else 0
+    chosen = sorted(rng.choice(honest, size=min(per_round - k, len(honest)), replace=False).tolist())
+    if k:
+        # which attackers strike this round: round-robin over the attack rounds seen so far
+        start = (rnd - 1) * k
+        strikers = [attackers[(start + i) % len(attackers)] for i in range(k)]
+        return sorted(chosen + strikers), sorted(strikers)
+    return chosen, []

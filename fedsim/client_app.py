@@ -1,0 +1,78 @@
+"""The ClientApp: local training for honest clients and attackers, then the encoded upload.
+
+A client's partition comes from `context.node_config["partition-id"]` (set by the simulation
+engine, or by `--node-config` on a real SuperNode); whether it is an attacker follows from the
+scenario's attacker ids. Codec memory (error feedback) lives in `context.state`, so it persists
+across rounds in simulation and deployment alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedsim.runtime import runtime_for
+from fedsim.seeding import TRAIN, derive_seed
+from fedsim.training import TrainConfig, train
+from fedsim.wire import pack_payload, unpack_model
+
+CODEC_STATE = "codec-state"
+
+
+def partition_id(context: Context) -> int:
+    return int(context.node_config["partition-id"])
+
+
+def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tuple[torch.Tensor, int, dict]:
+    """Train from the global model on this client's data (or the attacker's) and return the update."""
+    fed = rt.scenario.federation
+    attack = rt.attack if (pid in rt.attackers and rt.attack is not None and rt.attack.side == "client") else None
+    model = rt.build_model()
+    rt.layout.load_into(model, global_vec)
+    epochs, lr = fed.local_epochs, rt.lr(rnd)
+    if attack is not None:
+        x, y = attack.training_set(rt, pid)
+        epochs = attack.params.local_epochs or epochs
+        lr = attack.params.lr * rt.scenario.federation.lr_decay ** (rnd - 1) if attack.params.lr else lr
+        after_step = lambda b, last: attack.after_step(model, global_vec, rt.layout, b, last)  # noqa: E731
+    else:
+        x, y = rt.client_data(pid)
+        after_step = None
+    cfg = TrainConfig(epochs, fed.batch_size, lr, fed.momentum, fed.weight_decay)
+    stats = train(model, x, y, cfg, derive_seed(rt.scenario.seed, TRAIN, rnd, pid), after_step) if len(x) else {"loss": 0.0}
+    delta = rt.layout.flatten_model(model) - global_vec
+    if attack is not None:
+        delta = attack.finish_update(delta, {"num_examples": len(x), **dict(config)})
+    return delta, len(x), stats
+
+
+def make_client_app(scenario=None) -> ClientApp:
+    """A ClientApp for `scenario` (simulation), or reading it from the run config (deployment)."""
+    from fedsim.deploy_config import scenario_from_context
+
+    app = ClientApp()
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return Message(RecordDict({"info": MetricRecord({"partition-id": partition_id(context)})}), reply_to=msg)
+
+    @app.train()
+    def train_handler(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)  # one core per client actor; parallelism comes from the actors
+        rt = runtime_for(scenario if scenario is not None else scenario_from_context(context))
+        pid = partition_id(context)
+        config = msg.content["config"]
+        rnd = int(config["server-round"])
+        global_vec = unpack_model(msg.content["arrays"], rt.layout)
+        delta, n, stats = local_update(rt, pid, global_vec, rnd, config)
+        state = {}
+        if CODEC_STATE in context.state:
+            state = {k: v.numpy() for k, v in context.state[CODEC_STATE].items()}
+        payload, state = rt.codec.encode(delta, rt.layout, state)
+        if state:
+            context.state[CODEC_STATE] = pack_payload(state)
+        metrics = MetricRecord({"num-examples": int(n), "train-loss": float(stats["loss"]), "partition-id": pid})
+        return Message(RecordDict({"update": pack_payload(payload), "metrics": metrics}), reply_to=msg)
+
+    return app

@@ -1,0 +1,85 @@
+"""Client partitions, computed with flwr-datasets' partitioners on the training labels.
+
+The partitioners run offline on an in-memory `datasets.Dataset` holding only the labels and the
+row index, so a partition is a list of row indices into the training arrays. The same seed gives
+the same split on the server and on every client.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+from pydantic import Field
+
+from fedsim.registry import PARTITIONERS, Params
+
+
+class IidParams(Params):
+    pass
+
+
+class DirichletParams(Params):
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration; smaller is more skewed")
+    min_partition_size: int = Field(10, ge=0, description="resample until every client has at least this many")
+    self_balancing: bool = Field(False, description="stop giving a class to clients above the average size")
+
+
+class ShardParams(Params):
+    num_shards_per_partition: int = Field(2, ge=1, description="label-sorted shards per client (McMahan et al.)")
+    shard_size: int | None = Field(None, ge=1, description="rows per shard; default: as large as fits")
+
+
+def _label_dataset(labels: np.ndarray, seed: int | None = None):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"label": labels.astype(np.int64), "idx": np.arange(len(labels))})
+    return ds.shuffle(seed=seed) if seed is not None else ds
+
+
+def _indices(partitioner, ds, num_partitions: int) -> list[np.ndarray]:
+    partitioner.dataset = ds
+    with warnings.catch_warnings():  # pyarrow deprecation noise from inside `datasets`
+        warnings.simplefilter("ignore", FutureWarning)
+        return [np.sort(np.asarray(partitioner.load_partition(i)["idx"], dtype=np.int64)) for i in range(num_partitions)]
+
+
+@PARTITIONERS.register("iid", IidParams)
+def iid(labels: np.ndarray, num_partitions: int, seed: int, params: IidParams) -> list[np.ndarray]:
+    """Uniform random split into equal parts (flwr-datasets IidPartitioner over a seeded shuffle)."""
+    from flwr_datasets.partitioner import IidPartitioner
+
+    return _indices(IidPartitioner(num_partitions), _label_dataset(labels, seed), num_partitions)
+
+
+@PARTITIONERS.register("dirichlet", DirichletParams)
+def dirichlet(labels: np.ndarray, num_partitions: int, seed: int, params: DirichletParams) -> list[np.ndarray]:
+    """Label skew: class shares per client drawn from Dirichlet(alpha) (flwr-datasets DirichletPartitioner)."""
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    part = DirichletPartitioner(
+        num_partitions,
+        partition_by="label",
+        alpha=params.alpha,
+        min_partition_size=params.min_partition_size,
+        self_balancing=params.self_balancing,
+        shuffle=True,
+        seed=seed,
+    )
+    return _indices(part, _label_dataset(labels), num_partitions)
+
+
+@PARTITIONERS.register("shard", ShardParams)
+def shard(labels: np.ndarray, num_partitions: int, seed: int, params: ShardParams) -> list[np.ndarray]:
+    """Pathological non-IID: sort by label, cut into shards, deal shards to clients (flwr-datasets ShardPartitioner)."""
+    from flwr_datasets.partitioner import ShardPartitioner
+
+    part = ShardPartitioner(
+        num_partitions,
+        partition_by="label",
+        num_shards_per_partition=params.num_shards_per_partition,
+        shard_size=params.shard_size,
+        shuffle=True,
+        seed=seed,
+    )
+    return _indices(part, _label_dataset(labels), num_partitions)

@@ -1,0 +1,91 @@
+"""The networks the papers use, registered by YAML name.
+
+Every builder has the signature `build(input_shape, num_classes, params) -> nn.Module`.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from fedsim.registry import MODELS, Params
+
+
+class MlpParams(Params):
+    hidden: list[int] = Field(default_factory=lambda: [64], description="hidden layer widths")
+
+
+@MODELS.register("mlp", MlpParams)
+def mlp(input_shape: tuple[int, ...], num_classes: int, params: MlpParams) -> nn.Module:
+    """Fully connected ReLU network (for digits and tabular data)."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = prod(input_shape)
+    for h in params.hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+class LeNetParams(Params):
+    dropout: bool = Field(True, description="the example net's dropout 0.25 / 0.5")
+
+
+class LeNet(nn.Module):
+    """The PyTorch MNIST example network that Attack of the Tails calls "LeNet" (§1.3).
+
+    conv 1→32 3x3, ReLU; conv 32→64 3x3, ReLU; max-pool 2; dropout 0.25; FC →128, ReLU; dropout 0.5;
+    FC 128→classes. On 28x28 inputs the first FC is 9216→128, as in `fl_trainer.Net`.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, dropout: bool = True) -> None:
+        super().__init__()
+        c, h, w = input_shape
+        self.conv1 = nn.Conv2d(c, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
+        self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
+        self.fc1 = nn.Linear(64 * ((h - 4) // 2) * ((w - 4) // 2), 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        x = self.dropout1(torch.flatten(torch.max_pool2d(x, 2), 1))
+        x = self.dropout2(torch.relu(self.fc1(x)))
+        return self.fc2(x)
+
+
+@MODELS.register("lenet", LeNetParams)
+def lenet(input_shape: tuple[int, ...], num_classes: int, params: LeNetParams) -> nn.Module:
+    """PyTorch MNIST example CNN used as "LeNet" by Attack of the Tails (9216→128→10 on 28x28)."""
+    if len(input_shape) != 3:
+        raise ValueError(f"lenet needs image inputs [C, H, W], got {input_shape}")
+    return LeNet(input_shape, num_classes, params.dropout)
+
+
+class Vgg9Params(Params):
+    pass
+
+
+VGG9_CFG = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
+
+
+@MODELS.register("vgg9", Vgg9Params)
+def vgg9(input_shape: tuple[int, ...], num_classes: int, params: Vgg9Params) -> nn.Module:
+    """Attack of the Tails' VGG-9 for CIFAR-10: 8 3x3 convs, no BatchNorm, one FC 512→classes."""
+    if len(input_shape) != 3 or input_shape[1] != 32 or input_shape[2] != 32:
+        raise ValueError(f"vgg9 expects 32x32 images [C, 32, 32], got {input_shape}")
+    layers: list[nn.Module] = []
+    channels = input_shape[0]
+    for v in VGG9_CFG:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2, 2))
+        else:
+            layers += [nn.Conv2d(channels, v, 3, padding=1), nn.ReLU(inplace=True)]
+            channels = v
+    layers += [nn.AvgPool2d(1, 1), nn.Flatten(), nn.Linear(512, num_classes)]
+    return nn.Sequential(*layers)

@@ -1,0 +1,89 @@
+"""The run folder: the resolved scenario, one JSON line per round (appended as soon as the round
+ends, so an interrupted run keeps what it computed) and a summary written at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+from fedsim.scenario import dump_scenario, scenario_dict
+
+
+def new_run_dir(scenario, parent: str | Path | None = None) -> Path:
+    parent = Path(parent if parent is not None else scenario.output.dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = parent / f"{scenario.name}-{stamp}"
+    suffix = 1
+    while path.exists():
+        suffix += 1
+        path = parent / f"{scenario.name}-{stamp}-{suffix}"
+    path.mkdir(parents=True)
+    (path / "scenario.yaml").write_text(dump_scenario(scenario))
+    return path
+
+
+def _clean(value):
+    """JSON has no NaN: write None instead, so every tool can read the file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def append_round(run_dir: Path, record: dict) -> None:
+    with open(run_dir / "rounds.jsonl", "a") as fh:
+        fh.write(json.dumps(_clean(record)) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_rounds(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "rounds.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _versions() -> dict:
+    import flwr
+    import torch
+
+    from fedsim import __version__
+
+    return {"fedsim": __version__, "flwr": flwr.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
+    def series(key):
+        return [(r["round"], r[key]) for r in rounds if r.get(key) is not None]
+
+    acc, bd = series("main_accuracy"), series("backdoor_success")
+    return _clean(
+        {
+            "name": scenario.name,
+            "seed": scenario.seed,
+            "rounds_completed": max((r["round"] for r in rounds), default=0),
+            "final_main_accuracy": acc[-1][1] if acc else None,
+            "best_main_accuracy": max((v for _, v in acc), default=None),
+            "final_backdoor_success": bd[-1][1] if bd else None,
+            "peak_backdoor_success": max((v for _, v in bd), default=None),
+            "total_bytes_up": sum(r.get("bytes_up", 0) for r in rounds),
+            "total_bytes_down": sum(r.get("bytes_down", 0) for r in rounds),
+            "wall_seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
+            "rounds_skipped": [r["round"] for r in rounds if r.get("skipped")],
+            "versions": _versions(),
+            "scenario": scenario_dict(scenario),
+            **extra,
+        }
+    )
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

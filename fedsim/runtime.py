@@ -1,0 +1,101 @@
+"""What both sides derive from a scenario (data, partitions, model, attackers, codec), built once per process.
+
+A Ray actor hosts many virtual clients: the runtime is cached per process by the scenario's
+content, so the dataset is loaded and partitioned once per worker, not once per client call.
+Everything here is read-only after construction except `cache`, which only memoises.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+
+import numpy as np
+import torch
+
+from fedsim.data.base import ArrayDataset, resolve_data_dir
+from fedsim.models.layout import ModelLayout
+from fedsim.registry import ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS
+from fedsim.scenario import scenario_dict
+
+
+class Runtime:
+    def __init__(self, scenario) -> None:
+        self.scenario = scenario
+        self.cache: dict = {}
+
+    # --- data -------------------------------------------------------------------------------
+    def load_dataset(self, name: str, spec=None) -> ArrayDataset:
+        """Load a registered dataset (memoised). `spec` defaults to the dataset's default parameters."""
+        key = ("dataset", name, spec)
+        if key not in self.cache:
+            entry = DATASETS.get(name)
+            params = spec if spec is not None else entry.params()
+            data_dir = None if name == "digits" else resolve_data_dir(self.scenario.data.dir)
+            self.cache[key] = entry.obj(data_dir, params)
+        return self.cache[key]
+
+    @functools.cached_property
+    def data(self) -> ArrayDataset:
+        spec = self.scenario.data.dataset
+        return self.load_dataset(spec.name, spec)
+
+    @functools.cached_property
+    def partitions(self) -> list[np.ndarray]:
+        spec = self.scenario.data.partition
+        fn = PARTITIONERS.get(spec.name).obj
+        return fn(self.data.y_train, self.scenario.federation.num_clients, self.scenario.seed, spec)
+
+    def client_data(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        idx = self.partitions[partition_id]
+        return self.data.x_train[idx], self.data.y_train[idx]
+
+    # --- model ------------------------------------------------------------------------------
+    def build_model(self) -> torch.nn.Module:
+        spec = self.scenario.model
+        return MODELS.get(spec.name).obj(self.data.input_shape, self.data.num_classes, spec)
+
+    @functools.cached_property
+    def layout(self) -> ModelLayout:
+        return ModelLayout.of(self.build_model())
+
+    def initial_weights(self) -> torch.Tensor:
+        torch.manual_seed(self.scenario.seed)
+        return self.layout.flatten_model(self.build_model())
+
+    # --- attack and codec -------------------------------------------------------------------
+    @functools.cached_property
+    def attack(self):
+        spec = self.scenario.attack
+        return None if spec is None else ATTACKS.get(spec.name).obj(spec)
+
+    @functools.cached_property
+    def attackers(self) -> list[int]:
+        spec = self.scenario.attack
+        return [] if spec is None else spec.resolve_attackers(self.scenario.federation.num_clients, self.scenario.seed)
+
+    @functools.cached_property
+    def codec(self):
+        spec = self.scenario.compression
+        return COMPRESSORS.get(spec.name).obj(spec)
+
+    def lr(self, rnd: int) -> float:
+        fed = self.scenario.federation
+        return fed.lr * fed.lr_decay ** (rnd - 1)
+
+
+def scenario_key(scenario) -> str:
+    return hashlib.sha256(json.dumps(scenario_dict(scenario), sort_keys=True).encode()).hexdigest()
+
+
+_RUNTIMES: dict[str, Runtime] = {}
+
+
+def runtime_for(scenario) -> Runtime:
+    """The process-wide runtime of this scenario (shared by the virtual clients of one Ray actor)."""
+    key = scenario_key(scenario)
+    if key not in _RUNTIMES:
+        _RUNTIMES.clear()  # one scenario at a time per worker process: keep memory bounded
+        _RUNTIMES[key] = Runtime(scenario)
+    return _RUNTIMES[key]

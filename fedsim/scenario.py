@@ -1,0 +1,198 @@
+"""The scenario YAML schema: pydantic models per section, built from the component registries.
+
+Component sections (`model`, `aggregator`, `defenses`, `attack`, `compression`, `data.dataset`,
+`data.partition`) take `name:` plus that component's own parameters, validated by the
+component's parameter model; `name: krum` may also be written as the plain string `krum`.
+Unknown keys are errors everywhere. `load_scenario` reads a file with `yaml.safe_load`, applies
+`--set a.b=value` overrides, and raises `ScenarioError` listing every problem by field path.
+"""
+
+import functools
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import yaml
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from fedsim.registry import AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, Registry
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _name_shorthand(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
+def component(registry: Registry) -> Any:
+    """The type of a YAML component section: a union of the registry's specs, told apart by `name`."""
+    models = [e.spec_model() for e in registry.entries()]
+    if not models:
+        return Annotated[dict, AfterValidator(functools.partial(_none_registered, registry.kind))]
+    inner: Any = models[0] if len(models) == 1 else Annotated[Union[tuple(models)], Field(discriminator="name")]
+    return Annotated[inner, BeforeValidator(_name_shorthand)]
+
+
+def _none_registered(kind: str, value: Any) -> Any:
+    raise ValueError(f"no {kind} is registered")
+
+
+class FederationSection(Section):
+    num_clients: int = Field(20, ge=1, description="registered clients (one partition each)")
+    clients_per_round: int = Field(10, ge=1)
+    rounds: int = Field(15, ge=1)
+    local_epochs: int = Field(2, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.1, gt=0)
+    lr_decay: float = Field(1.0, gt=0, le=1, description="lr in round t is lr * lr_decay**(t-1)")
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    client_cpus: float = Field(1.0, gt=0, description="CPUs per Ray client actor (1 on 2 cores gives 2 actors)")
+    round_timeout: float = Field(600.0, gt=0, description="seconds to wait for a round's replies")
+
+
+class EvaluationSection(Section):
+    every: int = Field(1, ge=1, description="central evaluation every k rounds (and always the last)")
+    initial: bool = Field(False, description="also evaluate the initial model (round 0)")
+    batch_size: int = Field(1024, ge=1)
+
+
+class OutputSection(Section):
+    dir: str = Field("results", description="parent folder of the run folders")
+
+
+def build_scenario_model() -> type[BaseModel]:
+    """The Scenario model, with component unions over everything registered now."""
+
+    Dataset, Partition, Model = component(DATASETS), component(PARTITIONERS), component(MODELS)
+    Aggregator, Defense, Attack = component(AGGREGATORS), component(DEFENSES), component(ATTACKS)
+    Compressor = component(COMPRESSORS)
+
+    class DataSection(Section):
+        dataset: Dataset = "digits"
+        dir: str | None = Field(None, description="data directory; default: $FEDSIM_DATA_DIR")
+        partition: Partition = "dirichlet"
+
+    class Scenario(Section):
+        name: str = Field("scenario", pattern=r"^[A-Za-z0-9_.-]+$")
+        seed: int = 0
+        data: DataSection = Field(default_factory=DataSection)
+        model: Model = "mlp"
+        federation: FederationSection = Field(default_factory=FederationSection)
+        aggregator: Aggregator = "fedavg"
+        defenses: list[Defense] = Field(default_factory=list)
+        attack: Attack | None = None
+        compression: Compressor = "none"
+        evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
+        output: OutputSection = Field(default_factory=OutputSection)
+
+        @model_validator(mode="after")
+        def _consistent(self):
+            fed = self.federation
+            if fed.clients_per_round > fed.num_clients:
+                raise ValueError(
+                    f"federation.clients_per_round={fed.clients_per_round} exceeds federation.num_clients={fed.num_clients}"
+                )
+            if self.attack is not None:
+                self.attack.resolve_attackers(fed.num_clients, self.seed)
+            return self
+
+    return Scenario
+
+
+@functools.cache
+def scenario_model() -> type[BaseModel]:
+    return build_scenario_model()
+
+
+class ScenarioError(ValueError):
+    """A scenario that does not validate; `problems` holds (field path, message, bad value)."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str, Any]]) -> None:
+        self.source, self.problems = source, problems
+        lines = [f"{source}: {len(problems)} problem(s)"]
+        lines += [f"  {path}: {msg} (got {value!r})" for path, msg, value in problems]
+        super().__init__("\n".join(lines))
+
+
+def _problems(err: ValidationError) -> list[tuple[str, str, Any]]:
+    out = []
+    for e in err.errors(include_url=False):
+        path = ".".join(str(p) for p in e["loc"]) or "<top>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "union_tag_invalid":
+            msg = f"unknown name; allowed: {e['ctx']['expected_tags']}"
+        out.append((path, msg, e.get("input")))
+    return out
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` value, read as YAML so numbers, booleans, lists and null work (`a.b=[1, 2]`)."""
+    return yaml.safe_load(text) if text.strip() else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides to a nested dict (creating sections as needed)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ScenarioError("--set", [(item, "expected KEY.PATH=VALUE", item)])
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            if isinstance(node.get(part), str):  # `aggregator: krum` then `--set aggregator.f=1`
+                node[part] = {"name": node[part]}
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ScenarioError("--set", [(key, f"{part} is not a section", node)])
+        node[parts[-1]] = parse_value(value)
+    return raw
+
+
+def validate_scenario(raw: Any, source: str = "<scenario>"):
+    if not isinstance(raw, dict):
+        raise ScenarioError(source, [("<top>", "a scenario must be a mapping of sections", raw)])
+    try:
+        return scenario_model().model_validate(raw)
+    except ValidationError as err:
+        raise ScenarioError(source, _problems(err)) from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(str(path), [("<file>", "no such file", str(path))]) from None
+    except yaml.YAMLError as err:
+        raise ScenarioError(str(path), [("<file>", f"not valid YAML: {err}", None)]) from None
+    return {} if raw is None else raw
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None):
+    raw = read_yaml(path)
+    if isinstance(raw, dict):
+        raw = apply_overrides(raw, list(overrides or []))
+    return validate_scenario(raw, str(path))
+
+
+def _name_first(node: Any) -> Any:
+    if isinstance(node, dict):
+        keys = sorted(node, key=lambda k: k != "name")
+        return {k: _name_first(node[k]) for k in keys}
+    if isinstance(node, list):
+        return [_name_first(v) for v in node]
+    return node
+
+
+def scenario_dict(scenario) -> dict:
+    """The resolved scenario as plain data, each component's `name` first."""
+    return _name_first(scenario.model_dump(mode="json"))
+
+
+def dump_scenario(scenario) -> str:
+    """The resolved scenario (every default filled in) as YAML."""
+    return yaml.safe_dump(scenario_dict(scenario), sort_keys=False)

@@ -1,0 +1,23 @@
+"""Every random stream is derived from the scenario seed and the place it is used."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed from a tuple of non-negative ints (scenario seed, round, client, purpose...)."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def torch_generator(*keys: int) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(*keys))
+
+
+def numpy_rng(*keys: int) -> np.random.Generator:
+    return np.random.default_rng(derive_seed(*keys))
+
+
+# purposes, so that streams for different uses never coincide
+TRAIN, SAMPLE, SERVER = 1, 2, 3

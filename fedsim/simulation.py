@@ -1,0 +1,64 @@
+"""Run a scenario on Flower's simulation engine (Ray backend), quietly unless asked."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+# Before flwr/ray are imported: no telemetry, no update check, no Ray accelerator warning, a
+# bounded object store (Ray's default is 30% of RAM in /dev/shm).
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+from fedsim.client_app import make_client_app  # noqa: E402
+from fedsim.results import new_run_dir  # noqa: E402
+from fedsim.server_app import make_server_app  # noqa: E402
+
+OBJECT_STORE_BYTES = 256 * 1024**2
+
+
+def quiet_logs(verbose: bool) -> None:
+    level = logging.INFO if verbose else logging.ERROR
+    logging.getLogger("flwr").setLevel(level)
+    logging.getLogger("ray").setLevel(level)
+    logging.getLogger("fedsim").setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def backend_config(scenario, verbose: bool) -> dict:
+    cpus = os.cpu_count() or 1
+    return {
+        "client_resources": {"num_cpus": scenario.federation.client_cpus, "num_gpus": 0.0},
+        "init_args": {
+            "num_cpus": cpus,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "logging_level": "INFO" if verbose else "ERROR",
+            "log_to_driver": verbose,
+            "include_dashboard": False,
+        },
+    }
+
+
+def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progress=None) -> Path:
+    """Run `scenario` on Ray-simulated clients; returns the run folder."""
+    from flwr.simulation import run_simulation
+
+    quiet_logs(verbose)
+    run_dir = run_dir if run_dir is not None else new_run_dir(scenario)
+    run_simulation(
+        server_app=make_server_app(scenario, run_dir, progress),
+        client_app=make_client_app(scenario),
+        num_supernodes=scenario.federation.num_clients,
+        backend_name="ray",
+        backend_config=backend_config(scenario, verbose),
+        verbose_logging=verbose,
+    )
+    if not (run_dir / "summary.json").exists():
+        raise RuntimeError(f"the simulation ended without finishing the run; partial results are in {run_dir}")
+    return run_dir

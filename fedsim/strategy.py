@@ -1,0 +1,235 @@
+"""ScenarioStrategy: a Flower Message-API strategy driven by the scenario.
+
+Per round: sample clients with a seeded RNG (attack schedule included), send the global model,
+decode and check every upload (untrusted input), let server-side attacks replace the malicious
+rows, apply the defenses and the aggregator to the stacked `[n, d]` updates, and record what
+happened. Flower's own `Strategy.start` runs the round loop; the centralized `evaluate_fn` closes
+each round by evaluating the global model and appending the round's line to `rounds.jsonl`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from aggregators.base import AggregationError
+from attacks.schedules import sample_round
+from fedsim.compression.base import PayloadError
+from fedsim.registry import AGGREGATORS, DEFENSES
+from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
+from fedsim.training import evaluate, target_rate
+from fedsim.updates import RoundContext, UpdateBatch
+from fedsim.wire import message_bytes, pack_model, unpack_payload
+
+log = logging.getLogger("fedsim")
+
+
+def component_kwargs(spec) -> dict:
+    """A component spec's parameters as keyword arguments (its `name` dropped)."""
+    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
+
+
+class ScenarioStrategy(Strategy):
+    def __init__(self, runtime, on_round: Callable[[dict], None] | None = None) -> None:
+        self.rt = runtime
+        self.scenario = runtime.scenario
+        self.on_round = on_round or (lambda record: None)
+        agg = self.scenario.aggregator
+        self.aggregate_rule = AGGREGATORS.get(agg.name).obj
+        self.aggregate_kwargs = component_kwargs(agg)
+        self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in self.scenario.defenses]
+        self.node_of: dict[int, int] = {}  # partition id -> node id
+        self.global_vec = runtime.initial_weights()
+        self.pending: dict = {}  # this round's facts, written when the round closes
+        self.t_round = time.perf_counter()
+        self.backdoor = None
+        if runtime.attack is not None:
+            self.backdoor = runtime.attack.backdoor_test_set(runtime)
+
+    # --- set-up -------------------------------------------------------------------------------
+    def discover_nodes(self, grid: Grid, timeout: float) -> None:
+        """Map partition ids to node ids: node ids are random per run, partition ids are what the scenario names."""
+        expected = self.scenario.federation.num_clients
+        deadline = time.monotonic() + timeout
+        nodes = list(grid.get_node_ids())
+        while len(nodes) < expected:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(nodes)} of {expected} client nodes connected within {timeout:.0f}s")
+            time.sleep(0.2)
+            nodes = list(grid.get_node_ids())
+        queries = [
+            Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY)
+            for n in nodes
+        ]
+        for reply in grid.send_and_receive(queries, timeout=timeout):
+            if reply.has_error():
+                raise RuntimeError(f"node {reply.metadata.src_node_id} failed to report its partition: {reply.error.reason}")
+            pid = int(reply.content["info"]["partition-id"])
+            if pid in self.node_of:
+                raise RuntimeError(f"two nodes report partition-id {pid}")
+            self.node_of[pid] = reply.metadata.src_node_id
+        missing = sorted(set(range(expected)) - set(self.node_of))
+        if missing:
+            raise RuntimeError(f"no node holds partitions {missing[:10]}{'...' if len(missing) > 10 else ''}")
+
+    # --- training round -----------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        self.t_round = time.perf_counter()
+        fed = self.scenario.federation
+        rng = numpy_rng(self.scenario.seed, SAMPLE, server_round)
+        attack = self.scenario.attack
+        if attack is not None:
+            sampled, strikers = sample_round(
+                attack.schedule, server_round, fed.num_clients, fed.clients_per_round, self.rt.attackers, rng
+            )
+        else:
+            sampled, strikers = sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
+        total_examples = sum(len(self.rt.partitions[p]) for p in sampled if p not in strikers)
+        model_record = pack_model(self.global_vec, self.rt.layout)
+        messages, down = [], 0
+        for pid in sampled:
+            cfg = {"server-round": server_round, "lr": self.rt.lr(server_round)}
+            if pid in strikers and self.rt.attack.side == "client":
+                # what Attack of the Tails' replacement attacker is assumed to know: the round's total data
+                cfg["round_total_examples"] = total_examples + self._attacker_examples() * len(strikers)
+            msg = Message(
+                RecordDict({"arrays": model_record, "config": ConfigRecord(cfg)}),
+                dst_node_id=self.node_of[pid],
+                message_type=MessageType.TRAIN,
+            )
+            down += message_bytes(msg)
+            messages.append(msg)
+        self.pending = {"round": server_round, "sampled": sampled, "attackers": strikers, "bytes_down": down}
+        return messages
+
+    def _attacker_examples(self) -> int:
+        p = self.scenario.attack
+        return getattr(p, "num_edge", 0) + getattr(p, "num_clean", 0)
+
+    def _decode(self, replies: Iterable[Message]) -> tuple[list, dict, int, dict]:
+        """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
+        pid_of = {node: pid for pid, node in self.node_of.items()}
+        rows, rejected, up, losses = [], {}, 0, {}
+        for reply in replies:
+            pid = pid_of.get(reply.metadata.src_node_id, -1)
+            if reply.has_error():
+                rejected[pid] = f"client error: {reply.error.reason}"
+                continue
+            up += message_bytes(reply)
+            try:
+                content = reply.content
+                if "update" not in content.array_records or "metrics" not in content.metric_records:
+                    raise PayloadError("reply needs an 'update' ArrayRecord and a 'metrics' MetricRecord")
+                weight = float(content["metrics"]["num-examples"])
+                if not weight >= 0 or weight == float("inf"):
+                    raise PayloadError(f"num-examples must be a finite count >= 0, got {weight}")
+                update = self.rt.codec.decode(unpack_payload(content["update"], self.rt.layout), self.rt.layout)
+                if update.shape != (self.rt.layout.dim,) or update.dtype != torch.float32:
+                    raise PayloadError(f"decoded update has shape {tuple(update.shape)} / {update.dtype}")
+                if not torch.isfinite(update).all():
+                    raise PayloadError("update contains NaN or Inf")
+            except (PayloadError, KeyError, TypeError, ValueError) as err:
+                rejected[pid] = str(err)
+                log.warning("round %s: rejected upload from client %s: %s", self.pending.get("round"), pid, err)
+                continue
+            losses[pid] = float(content["metrics"].get("train-loss", float("nan")))
+            rows.append((pid, update, weight))
+        rows.sort(key=lambda r: r[0])  # aggregation independent of arrival order
+        return rows, rejected, up, losses
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        rows, rejected, up, losses = self._decode(replies)
+        record = self.pending
+        record.update({"bytes_up": up, "rejected": rejected, "defenses": {}, "skipped": None})
+        record["train_loss"] = (sum(losses.values()) / len(losses)) if losses else None
+        strikers = set(record["attackers"])
+        record["attacker_update_norms"] = {
+            pid: float(torch.linalg.vector_norm(u)) for pid, u, _ in rows if pid in strikers
+        }
+        if not rows:
+            record["skipped"] = "no valid updates"
+            return None, None
+        batch = UpdateBatch(
+            torch.stack([u for _, u, _ in rows]),
+            torch.tensor([w for _, _, w in rows], dtype=torch.float32),
+            tuple(pid for pid, _, _ in rows),
+        )
+        ctx = RoundContext(server_round, self.global_vec, self.rt.layout, torch_generator(self.scenario.seed, SERVER, server_round))
+        batch = self._server_attack(batch, strikers, ctx)
+        try:
+            for name, defense in self.defenses:
+                batch, info = defense.before(batch, ctx)
+                record["defenses"].setdefault(name, {}).update(info)
+                if batch.updates.shape[0] == 0:
+                    raise AggregationError(f"defense {name} removed every update")
+            aggregate = self.aggregate_rule(batch.updates, batch.weights, **self.aggregate_kwargs)
+            for name, defense in self.defenses:
+                aggregate, info = defense.after(aggregate, ctx)
+                record["defenses"].setdefault(name, {}).update(info)
+        except AggregationError as err:
+            record["skipped"] = str(err)
+            log.warning("round %s skipped: %s", server_round, err)
+            return None, None
+        record["aggregated"] = list(batch.client_ids)
+        self.global_vec = self.global_vec + aggregate
+        return pack_model(self.global_vec, self.rt.layout), MetricRecord({"num-updates": len(rows)})
+
+    def _server_attack(self, batch: UpdateBatch, strikers: set, ctx: RoundContext) -> UpdateBatch:
+        attack = self.rt.attack
+        if attack is None or attack.side != "server" or not strikers:
+            return batch
+        bad = torch.tensor([pid in strikers for pid in batch.client_ids])
+        if bad.all() or not bad.any():
+            return batch
+        updates = batch.updates.clone()
+        updates[bad] = attack.craft(batch.updates[~bad], int(bad.sum()), ctx)
+        return batch.with_updates(updates)
+
+    # --- no federated evaluation: the server evaluates centrally ------------------------------
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return []
+
+    def aggregate_evaluate(self, server_round, replies):
+        return None
+
+    def summary(self) -> None:
+        log.info("ScenarioStrategy: %s, aggregator %s, defenses %s", self.scenario.name, self.scenario.aggregator.name,
+                 [n for n, _ in self.defenses])
+
+    # --- end of round: central evaluation and the round's line --------------------------------
+    def central_evaluate(self, server_round: int) -> dict:
+        model = self.rt.build_model()
+        self.rt.layout.load_into(model, self.global_vec)
+        bs = self.scenario.evaluation.batch_size
+        main = evaluate(model, self.rt.data.x_test, self.rt.data.y_test, bs)
+        out = {"main_accuracy": main["accuracy"], "main_loss": main["loss"], "backdoor_success": None}
+        if self.backdoor is not None:
+            x_bd, target = self.backdoor
+            out["backdoor_success"] = target_rate(model, x_bd, target, bs)
+            source = getattr(getattr(self.scenario.attack, "edge_set", None), "source_class", None)
+            if source is not None:  # clean accuracy on the edge set's source class
+                mask = self.rt.data.y_test == source
+                out["source_class_accuracy"] = evaluate(model, self.rt.data.x_test[mask], self.rt.data.y_test[mask], bs)["accuracy"]
+        return out
+
+    def end_round(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        ev = self.scenario.evaluation
+        last = server_round == self.scenario.federation.rounds
+        if server_round == 0:
+            if not ev.initial:
+                return None
+            record = {"round": 0, "bytes_up": 0, "bytes_down": 0, "sampled": [], "attackers": []}
+        else:
+            record = self.pending
+        if server_round == 0 or server_round % ev.every == 0 or last:
+            record.update(self.central_evaluate(server_round))
+        record["wall_seconds"] = time.perf_counter() - self.t_round if server_round else 0.0
+        self.on_round(record)
+        metrics = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return MetricRecord(metrics)

@@ -1,0 +1,57 @@
+"""What crosses the wire: packing the global model and client payloads into Flower records,
+unpacking them on the other side as untrusted input, and measuring message sizes in bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Message
+
+from fedsim.compression.base import PayloadError
+from fedsim.models.layout import ModelLayout
+
+MAX_PAYLOAD_FACTOR = 4  # a payload may be at most this many times the float32 model (plus 1 MiB)
+
+
+def pack_model(vec: torch.Tensor, layout: ModelLayout) -> ArrayRecord:
+    """The global model as named arrays (a torch state dict's names and shapes)."""
+    return ArrayRecord(array_dict={n: Array(t.numpy()) for n, t in layout.unflatten(vec).items()})
+
+
+def unpack_model(record: ArrayRecord, layout: ModelLayout) -> torch.Tensor:
+    """The flat vector of a received model record, checked against the layout."""
+    if list(record.keys()) != list(layout.names):
+        raise PayloadError(f"model arrays {list(record.keys())} do not match the layout {list(layout.names)}")
+    parts = []
+    for name, shape in zip(layout.names, layout.shapes):
+        arr = record[name].numpy()
+        if arr.shape != shape:
+            raise PayloadError(f"model array {name!r} has shape {arr.shape}, expected {shape}")
+        parts.append(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(-1))
+    return torch.cat(parts)
+
+
+def pack_payload(payload: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord(array_dict={k: Array(np.ascontiguousarray(v)) for k, v in payload.items()})
+
+
+def unpack_payload(record: ArrayRecord, layout: ModelLayout) -> dict[str, np.ndarray]:
+    """A client's payload arrays, refusing oversized ones before deserialising anything."""
+    limit = MAX_PAYLOAD_FACTOR * 4 * layout.dim + (1 << 20)
+    size = sum(len(a.data) for a in record.values())
+    if size > limit:
+        raise PayloadError(f"payload of {size} bytes exceeds the limit of {limit} bytes for this model")
+    out = {}
+    for key, arr in record.items():
+        try:
+            out[key] = arr.numpy()
+        except Exception as err:  # truncated or non-numpy bytes
+            raise PayloadError(f"payload array {key!r} does not deserialise: {err}") from None
+    return out
+
+
+def message_bytes(msg: Message) -> int:
+    """Size of the message as Flower serialises it for transport (protobuf)."""
+    from flwr.common.serde import message_to_proto
+
+    return message_to_proto(msg).ByteSize()
