@@ -1,0 +1,158 @@
+"""`fedsim run | validate | list`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fmt(value, pct: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" if pct else f"{value}"
+
+
+def round_table(rounds: list[dict], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("round", "acc", "backdoor", "loss", "attackers", "rejected", "MB up", "MB down", "s"):
+        table.add_column(col, justify="right")
+    for r in rounds:
+        table.add_row(
+            str(r["round"]),
+            _fmt(r.get("main_accuracy"), pct=True),
+            _fmt(r.get("backdoor_success"), pct=True),
+            "-" if r.get("main_loss") is None else f"{r['main_loss']:.3f}",
+            ",".join(map(str, r.get("attackers", []))) or "-",
+            str(len(r.get("rejected") or {})) + (" (skipped)" if r.get("skipped") else ""),
+            f"{r.get('bytes_up', 0) / 1e6:.2f}",
+            f"{r.get('bytes_down', 0) / 1e6:.2f}",
+            f"{r.get('wall_seconds', 0):.1f}",
+        )
+    return table
+
+
+def cmd_validate(args) -> int:
+    from fedsim.scenario import dump_scenario, load_scenario
+
+    scenario = load_scenario(args.file, args.set)
+    console.print(dump_scenario(scenario), markup=False, highlight=False)
+    return 0
+
+
+def param_defaults(params) -> str:
+    """`key=default` for every parameter of a component (its `name` aside)."""
+    parts = []
+    for key, field in params.model_fields.items():
+        if key == "name":
+            continue
+        if field.is_required():
+            parts.append(f"{key} (required)")
+        else:
+            default = field.default_factory() if field.default_factory else field.default
+            if hasattr(default, "model_dump"):
+                default = default.model_dump(mode="json").get("name", default)
+            parts.append(f"{key}={default!r}")
+    return ", ".join(parts)
+
+
+def cmd_list(args) -> int:
+    from fedsim.registry import ALL
+
+    kinds = [args.kind] if args.kind else sorted(ALL)
+    for kind in kinds:
+        if kind not in ALL:
+            err_console.print(f"unknown kind {kind!r}; allowed: {', '.join(sorted(ALL))}")
+            return 2
+        table = Table(title=f"{kind}s")
+        table.add_column("YAML name")
+        table.add_column("parameters (default)")
+        table.add_column("what it is")
+        for entry in ALL[kind].entries():
+            table.add_row(entry.name, param_defaults(entry.params), entry.summary)
+        console.print(table)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fedsim.results import new_run_dir, read_rounds
+    from fedsim.scenario import load_scenario
+
+    scenario = load_scenario(args.file, args.set)
+    run_dir = new_run_dir(scenario, args.output)
+    from fedsim.simulation import simulate  # imports flwr/ray: after the scenario is known to be valid
+
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(scenario.name, total=scenario.federation.rounds, status="starting Ray...")
+
+        def on_round(record: dict) -> None:
+            status = f"acc {_fmt(record.get('main_accuracy'), True)}"
+            if record.get("backdoor_success") is not None:
+                status += f"  backdoor {_fmt(record['backdoor_success'], True)}"
+            progress.update(task, completed=record["round"], status=status)
+
+        simulate(scenario, run_dir=run_dir, verbose=args.verbose, progress=on_round)
+    console.print(round_table(read_rounds(run_dir), f"{scenario.name} (seed {scenario.seed})"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    console.print(
+        f"final main accuracy {_fmt(summary['final_main_accuracy'], True)}, "
+        f"final backdoor success {_fmt(summary['final_backdoor_success'], True)} "
+        f"(peak {_fmt(summary['peak_backdoor_success'], True)}), "
+        f"{summary['total_bytes_up'] / 1e6:.2f} MB up, {summary['wall_seconds']:.1f} s in rounds"
+    )
+    console.print(f"results: {run_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedsim", description="Federated learning under attack, on Flower.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a scenario on Ray-simulated clients")
+    run.add_argument("file", type=Path)
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. federation.rounds=5")
+    run.add_argument("--output", type=Path, default=None, help="parent folder of the run folder (default: output.dir)")
+    run.add_argument("--verbose", action="store_true", help="show Flower and Ray logs")
+    run.set_defaults(func=cmd_run)
+
+    val = sub.add_parser("validate", help="check a scenario and print it with every default resolved")
+    val.add_argument("file", type=Path)
+    val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    val.set_defaults(func=cmd_validate)
+
+    lst = sub.add_parser("list", help="list registered components and their parameters")
+    lst.add_argument("kind", nargs="?", default=None)
+    lst.set_defaults(func=cmd_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fedsim.data.base import DataFileError
+    from fedsim.scenario import ScenarioError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ScenarioError as err:
+        err_console.print(str(err), markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except DataFileError as err:
+        err_console.print(f"data error: {err}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err_console.print("interrupted: rounds completed so far are in the run folder")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
