@@ -8,5 +8,6 @@ A rule that cannot run on the given n (e.g. Krum needs n >= 2f + 3) raises `Aggr
 
 from aggregators.base import AggregationError
 from aggregators import fedavg  # noqa: F401  (registers)
+from aggregators import krum, coordinate, bulyan, rfa  # noqa: F401  (register)
 
 __all__ = ["AggregationError"]

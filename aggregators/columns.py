@@ -17,11 +17,11 @@ BLOCK_ELEMENTS = 1 << 22
 def reduce_column_blocks(
     reduce: Callable[[torch.Tensor], torch.Tensor],
     updates: torch.Tensor,
-    block_elements: int = BLOCK_ELEMENTS,
+    block_elements: int | None = None,
 ) -> torch.Tensor:
     """Apply `reduce: [n, b] -> [b]` to column blocks of `updates` [n, d]; returns [d]."""
     n, d = updates.shape
-    width = max(1, block_elements // max(n, 1))
+    width = max(1, (block_elements or BLOCK_ELEMENTS) // max(n, 1))
     if width >= d:
         return reduce(updates)
     out = torch.empty(d, dtype=updates.dtype, device=updates.device)

@@ -4,7 +4,9 @@
    (min_cluster_size = n//2 + 1, min_samples = 1, metric="precomputed"); only the largest cluster
    is kept. HDBSCAN runs with allow_single_cluster=True: with min_cluster_size > n/2 there can be
    only one cluster, and without that flag HDBSCAN never selects the root, so it would label every
-   point noise. If it still labels every point noise, all updates are kept and the log says so.
+   point noise. With it, the kept set is the densest core of at least min_cluster_size models, so
+   an honest model on the fringe may be dropped too. If HDBSCAN still labels every point noise,
+   all updates are kept and the log says so (`note`).
 2. Adaptive clipping: e_i = ||Δ_i||, S = median of e over all n updates (the usual median, the mean
    of the two middle values for even n); each kept Δ_i is scaled by min(1, S / e_i).
 3. Aggregation is left to the scenario's aggregator. FLAME takes the plain mean of the kept clipped
@@ -14,8 +16,8 @@
    global model). S is this round's, remembered on the instance between `before` and `after`; it is
    round-local, not checkpoint state.
 
-The paper's constants (λ = 0.001 for image tasks, 0.01 for NLP) are from memory of the paper
-[recalled in the reference notes]; the official code is not public.
+The constants (λ = 0.001 for image tasks, 0.01 for NLP; min_cluster_size = n/2 + 1,
+min_samples = 1) are marked [recalled] in the reference notes: check them against the paper.
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ def cosine_distances(x: torch.Tensor) -> np.ndarray:
     return dist.cpu().numpy()
 
 
-def majority_cluster(dist: np.ndarray, min_cluster_size: int, min_samples: int) -> tuple[np.ndarray, bool]:
-    """Boolean mask of the largest HDBSCAN cluster, and whether HDBSCAN found any cluster at all."""
+def majority_cluster(dist: np.ndarray, min_cluster_size: int, min_samples: int) -> tuple[np.ndarray, str | None]:
+    """Boolean mask of the largest HDBSCAN cluster, and a note when everyone is kept for lack of one."""
     n = dist.shape[0]
     if n < 3:
-        return np.ones(n, dtype=bool), False
+        return np.ones(n, dtype=bool), f"{n} updates are too few to cluster; all kept"
     labels = HDBSCAN(
         min_cluster_size=min(max(min_cluster_size, 2), n),
         min_samples=min(min_samples, n),
@@ -62,9 +64,9 @@ def majority_cluster(dist: np.ndarray, min_cluster_size: int, min_samples: int) 
     ).fit(dist).labels_
     clustered = labels >= 0
     if not clustered.any():
-        return np.ones(n, dtype=bool), False
+        return np.ones(n, dtype=bool), "hdbscan found no cluster; all updates kept"
     biggest = int(np.argmax(np.bincount(labels[clustered])))
-    return labels == biggest, True
+    return labels == biggest, None
 
 
 @DEFENSES.register("flame", FlameParams)
@@ -79,7 +81,7 @@ class Flame(Defense):
         n = batch.updates.shape[0]
         models = ctx.global_weights.to(batch.updates.device, torch.float64)[None, :] + batch.updates.to(torch.float64)
         mcs = self.params.min_cluster_size or n // 2 + 1
-        keep_np, found = majority_cluster(cosine_distances(models), mcs, self.params.min_samples)
+        keep_np, note = majority_cluster(cosine_distances(models), mcs, self.params.min_samples)
         keep = torch.from_numpy(keep_np).to(batch.updates.device)
 
         norms = torch.linalg.vector_norm(batch.updates, dim=1)
@@ -91,8 +93,8 @@ class Flame(Defense):
         log = clip_log(kept.client_ids, kept_norms, factor)
         log["norms"] = {int(c): float(v) for c, v in zip(batch.client_ids, norms.tolist())}
         log["removed"] = [int(c) for c, k in zip(batch.client_ids, keep_np.tolist()) if not k]
-        if not found:
-            log["note"] = "hdbscan found no cluster; all updates kept"
+        if note:
+            log["note"] = note
         return kept.with_updates(clipped), log
 
     def after(self, aggregate: torch.Tensor, ctx: RoundContext) -> tuple[torch.Tensor, dict]:

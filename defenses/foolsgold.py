@@ -11,8 +11,10 @@ Weights (as in DBA, computed in float64):
   wv = 1 - max_j cs_ij clipped to [0, 1];  wv /= max wv;  wv == 1 -> 0.99;
   wv = κ (ln(wv / (1 - wv)) + 0.5), +inf and values > 1 -> 1, negatives -> 0, NaN -> 0.
 κ multiplies the logit as in the paper's algorithm (κ = 1, DBA's and the reference code's value,
-reproduces DBA exactly). DBA leaves NaN as NaN (it appears when every client has an exact twin,
-so max wv = 0); here it becomes 0.
+reproduces DBA). DBA leaves NaN as NaN (it appears when every client has an exact twin, so
+max wv = 0); here it becomes 0. The similarity matrix is made exactly symmetric with an exact
+diagonal; DBA's (sklearn) diagonal carries rounding noise that, when all other similarities of a
+client are negative, decides its v_i and the pardoning ratios.
 
 Aggregation: DBA uses Σ wv_i g_i / n with n the number of clients and ignores example counts.
 This defense instead returns the batch with weights = wv (example counts dropped), so a downstream
@@ -45,8 +47,14 @@ def foolsgold_weights(x: torch.Tensor, kappa: float = 1.0) -> torch.Tensor:
     x = x.to(torch.float64)
     n = x.shape[0]
     norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+    nonzero = norms[:, 0] > 0
     xn = x / torch.where(norms > 0, norms, torch.ones_like(norms))  # zero rows stay zero, as in sklearn
-    cs = xn @ xn.T - torch.eye(n, dtype=x.dtype, device=x.device)
+    cos = xn @ xn.T
+    cos = 0.5 * (cos + cos.T)
+    # exact self-similarity (1, or 0 for a zero row as in sklearn): rounding noise on the diagonal
+    # would otherwise decide max_j cs_ij when every other similarity is negative
+    cos.diagonal().copy_(nonzero.to(x.dtype))
+    cs = cos - torch.eye(n, dtype=x.dtype, device=x.device)
     maxcs = cs.max(dim=1).values
     pardon = maxcs[:, None] < maxcs[None, :]
     cs = torch.where(pardon, cs * maxcs[:, None] / maxcs[None, :], cs)

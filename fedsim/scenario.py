@@ -21,17 +21,24 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-def _name_shorthand(value: Any) -> Any:
-    return {"name": value} if isinstance(value, str) else value
+def _name_shorthand(default: str | None, value: Any) -> Any:
+    if isinstance(value, str):
+        return {"name": value}
+    if isinstance(value, dict) and "name" not in value and default is not None:
+        return {"name": default, **value}  # `--set model.hidden=[8]` keeps the default model
+    return value
 
 
-def component(registry: Registry) -> Any:
-    """The type of a YAML component section: a union of the registry's specs, told apart by `name`."""
+def component(registry: Registry, default: str | None = None) -> Any:
+    """The type of a YAML component section: a union of the registry's specs, told apart by `name`.
+
+    A plain string is shorthand for `{name: ...}`; a mapping without `name` means the default.
+    """
     models = [e.spec_model() for e in registry.entries()]
     if not models:
         return Annotated[dict, AfterValidator(functools.partial(_none_registered, registry.kind))]
     inner: Any = models[0] if len(models) == 1 else Annotated[Union[tuple(models)], Field(discriminator="name")]
-    return Annotated[inner, BeforeValidator(_name_shorthand)]
+    return Annotated[inner, BeforeValidator(functools.partial(_name_shorthand, default))]
 
 
 def _none_registered(kind: str, value: Any) -> Any:
@@ -65,9 +72,9 @@ class OutputSection(Section):
 def build_scenario_model() -> type[BaseModel]:
     """The Scenario model, with component unions over everything registered now."""
 
-    Dataset, Partition, Model = component(DATASETS), component(PARTITIONERS), component(MODELS)
-    Aggregator, Defense, Attack = component(AGGREGATORS), component(DEFENSES), component(ATTACKS)
-    Compressor = component(COMPRESSORS)
+    Dataset, Partition = component(DATASETS, "digits"), component(PARTITIONERS, "dirichlet")
+    Model, Aggregator = component(MODELS, "mlp"), component(AGGREGATORS, "fedavg")
+    Defense, Attack, Compressor = component(DEFENSES), component(ATTACKS), component(COMPRESSORS, "none")
 
     class DataSection(Section):
         dataset: Dataset = "digits"

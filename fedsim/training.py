@@ -52,7 +52,7 @@ def train(
             steps += 1
             if after_step is not None:
                 after_step(b, b == num_batches - 1)
-            total += float(loss) * len(idx)
+            total += loss.item() * len(idx)
             count += len(idx)
         last_loss = total / max(count, 1)
     return {"loss": last_loss, "steps": steps}

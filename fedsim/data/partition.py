@@ -41,6 +41,7 @@ def _indices(partitioner, ds, num_partitions: int) -> list[np.ndarray]:
     partitioner.dataset = ds
     with warnings.catch_warnings():  # pyarrow deprecation noise from inside `datasets`
         warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)  # "min_partition_size not satisfied, resampling"
         return [np.sort(np.asarray(partitioner.load_partition(i)["idx"], dtype=np.int64)) for i in range(num_partitions)]
 
 

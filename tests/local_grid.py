@@ -1,0 +1,57 @@
+"""An in-process Flower Grid that calls the ClientApp directly: the same messages and the same
+strategy code as under Ray, without Ray's start-up cost (flower.md §5). Used by fast tests."""
+
+from __future__ import annotations
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity  # internal: needed to build Messages outside a runtime
+
+
+class LocalGrid(Grid):
+    def __init__(self, client_app, num_nodes: int, tamper=None, fail=()) -> None:
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
+        self._app = client_app
+        self._ids = [1000 + 7 * i for i in range(num_nodes)]  # node ids unrelated to partition ids
+        self._ctx = {
+            n: Context(run_id=1, node_id=n, node_config={"partition-id": i, "num-partitions": num_nodes},
+                       state=RecordDict(), run_config={})
+            for i, n in enumerate(self._ids)
+        }
+        self.tamper = tamper  # optional: (partition id, reply) -> reply, to simulate broken uploads
+        self.fail = set(fail)  # partition ids whose ClientApp crashes
+
+    def set_run(self, run):
+        pass
+
+    @property
+    def run(self):
+        raise AttributeError("LocalGrid has no run")
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self):
+        return list(self._ids)
+
+    def push_messages(self, messages):
+        raise AttributeError("LocalGrid only supports send_and_receive")
+
+    def pull_messages(self, message_ids):
+        raise AttributeError("LocalGrid only supports send_and_receive")
+
+    def send_and_receive(self, messages, *, timeout=None):
+        out = []
+        for m in messages:
+            ctx = self._ctx[m.metadata.dst_node_id]
+            try:
+                if int(ctx.node_config["partition-id"]) in self.fail and m.metadata.message_type == "train":
+                    raise RuntimeError("device out of memory")
+                reply = self._app(m, ctx)
+            except Exception as ex:  # a crashing client becomes an error reply, as in Flower
+                reply = Message(Error(code=0, reason=repr(ex)), reply_to=m)
+            if self.tamper is not None and m.metadata.message_type == "train":
+                reply = self.tamper(int(ctx.node_config["partition-id"]), reply)
+            out.append(reply)
+        return out[::-1]  # reversed arrival order: aggregation must not depend on it
