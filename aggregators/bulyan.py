@@ -35,17 +35,22 @@ Selection = Literal["krum", "multikrum", "krum_single_pass"]
 def iterative_krum_select(sq_dist: torch.Tensor, num_malicious: int, count: int) -> torch.Tensor:
     """Run Krum `count` times on the remaining updates, removing each winner; winners in order.
 
-    One Python step per selected update (not per pair or coordinate): each step rescores the
-    remaining rows from the same distance matrix.
+    One Python step per selected update (not per pair or coordinate): a removed update's column
+    becomes +inf, so the remaining rows are rescored from the same distance matrix.
     """
-    remaining = torch.arange(sq_dist.shape[0])
+    n = sq_dist.shape[0]
+    others = sq_dist.clone()
+    others.fill_diagonal_(float("inf"))
+    removed = torch.zeros(n, dtype=torch.bool)
     chosen = []
-    for _ in range(count):
-        sub = sq_dist[remaining][:, remaining]
-        neighbours = max(1, len(remaining) - num_malicious - 2)
-        winner = int(torch.argmin(scores_from_distances(sub, neighbours)))
-        chosen.append(int(remaining[winner]))
-        remaining = torch.cat([remaining[:winner], remaining[winner + 1 :]])
+    for step in range(count):
+        remaining = n - step
+        neighbours = min(max(1, remaining - num_malicious - 2), remaining - 1)  # 0: a lone survivor
+        scores = others.topk(neighbours, dim=1, largest=False).values.sum(dim=1)
+        winner = int(torch.argmin(scores.masked_fill_(removed, float("inf"))))
+        chosen.append(winner)
+        removed[winner] = True
+        others[:, winner] = float("inf")
     return torch.tensor(chosen, dtype=torch.long)
 
 
@@ -66,10 +71,17 @@ def bulyan_select(updates: torch.Tensor, num_malicious: int, selection: Selectio
 
 
 def closest_to_median_mean(candidates: torch.Tensor, count: int) -> torch.Tensor:
-    """Per coordinate, the mean of the `count` candidate values closest to the median."""
-    centre = median_columns(candidates)
-    nearest = (candidates - centre).abs().topk(count, dim=0, largest=False).indices
-    return candidates.gather(0, nearest).mean(dim=0)
+    """Per coordinate, the mean of the `count` candidate values closest to the median.
+
+    Implemented as "drop the theta - count farthest": that is 2f values, far fewer than `count`,
+    and a masked sum never subtracts a huge dropped value from a total.
+    """
+    drop = candidates.shape[0] - count
+    if drop == 0:
+        return candidates.mean(dim=0)
+    farthest = (candidates - median_columns(candidates)).abs().topk(drop, dim=0).indices
+    keep = torch.ones_like(candidates, dtype=torch.bool).scatter_(0, farthest, False)
+    return torch.where(keep, candidates, 0.0).sum(dim=0) / count
 
 
 class BulyanParams(Params):

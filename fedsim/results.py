@@ -14,6 +14,7 @@ from fedsim.scenario import dump_scenario, scenario_dict
 
 
 def new_run_dir(scenario, parent: str | Path | None = None) -> Path:
+    """A fresh `<parent>/<name>-<timestamp>/` holding the resolved scenario."""
     parent = Path(parent if parent is not None else scenario.output.dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = parent / f"{scenario.name}-{stamp}"

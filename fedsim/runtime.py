@@ -61,8 +61,10 @@ class Runtime:
         return ModelLayout.of(self.build_model())
 
     def initial_weights(self) -> torch.Tensor:
+        """The seeded initial global model (the seed is set right before the one model built here)."""
+        layout = self.layout  # may build a model itself: do it before seeding
         torch.manual_seed(self.scenario.seed)
-        return self.layout.flatten_model(self.build_model())
+        return layout.flatten_model(self.build_model())
 
     # --- attack and codec -------------------------------------------------------------------
     @functools.cached_property

@@ -16,6 +16,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 from fedsim.client_app import make_client_app  # noqa: E402
 from fedsim.results import new_run_dir  # noqa: E402
+from fedsim.scenario import dump_scenario  # noqa: E402
 from fedsim.server_app import make_server_app  # noqa: E402
 
 OBJECT_STORE_BYTES = 256 * 1024**2
@@ -50,7 +51,11 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     from flwr.simulation import run_simulation
 
     quiet_logs(verbose)
-    run_dir = run_dir if run_dir is not None else new_run_dir(scenario)
+    if run_dir is None:
+        run_dir = new_run_dir(scenario)
+    elif not (run_dir / "scenario.yaml").exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
     run_simulation(
         server_app=make_server_app(scenario, run_dir, progress),
         client_app=make_client_app(scenario),

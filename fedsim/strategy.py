@@ -147,7 +147,7 @@ class ScenarioStrategy(Strategy):
         rows, rejected, up, losses = self._decode(replies)
         record = self.pending
         record.update({"bytes_up": up, "rejected": rejected, "defenses": {}, "skipped": None})
-        record["train_loss"] = (sum(losses.values()) / len(losses)) if losses else None
+        record["train_loss"] = (sum(losses[p] for p in sorted(losses)) / len(losses)) if losses else None
         strikers = set(record["attackers"])
         record["attacker_update_norms"] = {
             pid: float(torch.linalg.vector_norm(u)) for pid, u, _ in rows if pid in strikers

@@ -51,7 +51,11 @@ def unpack_payload(record: ArrayRecord, layout: ModelLayout) -> dict[str, np.nda
 
 
 def message_bytes(msg: Message) -> int:
-    """Size of the message as Flower serialises it for transport (protobuf)."""
-    from flwr.common.serde import message_to_proto
+    """Serialized size of the message's content (its RecordDict protobuf): the payload it carries.
 
-    return message_to_proto(msg).ByteSize()
+    Flower's per-message metadata (ids, timestamps, ~100 bytes) is left out: it varies run to run
+    with the random node ids and says nothing about the algorithm.
+    """
+    from flwr.common.serde import recorddict_to_proto
+
+    return recorddict_to_proto(msg.content).ByteSize()

@@ -1,0 +1,103 @@
+"""Time per aggregation of every registered rule, and Krum's Gram-product speed-up over a per-pair loop.
+
+Run: `.venv/bin/python benchmarks/aggregators.py [--quick]`. Prints median wall-clock times of a few
+repeats with torch on 2 threads, and ratios measured in the same run. Asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Run as a script, this file's folder leads sys.path and its name would shadow the `aggregators`
+# package; drop that folder and put the repository root first instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import torch  # noqa: E402
+
+from aggregators.krum import scores_from_distances  # noqa: E402
+from fedsim.registry import AGGREGATORS  # noqa: E402
+
+MEMORY_LIMIT_BYTES = 4e9
+PEAK_COPIES = 3  # input + one same-size temporary (centred rows, |x - z|) + slack
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def naive_krum_scores(updates: torch.Tensor, num_malicious: int) -> torch.Tensor:
+    """Krum scores with one distance computation per pair, the way a direct port would do it."""
+    n = updates.shape[0]
+    dist = torch.zeros(n, n)
+    for i in range(n):
+        for j in range(i + 1, n):
+            dist[i, j] = dist[j, i] = (updates[i] - updates[j]).pow(2).sum()
+    return scores_from_distances(dist, n - num_malicious - 2)
+
+
+def fits_in_memory(n: int, d: int) -> bool:
+    return PEAK_COPIES * n * d * 4 <= MEMORY_LIMIT_BYTES
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="n in {10, 50}, d = 1e5 only")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    sizes_n = [10, 50] if args.quick else [10, 50, 100, 200]
+    sizes_d = [100_000] if args.quick else [100_000, 1_000_000]
+    naive_max_n = 50
+    entries = AGGREGATORS.entries()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} runs, "
+        f"{os.cpu_count()} CPUs, load average {load}"
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    naive_rows = []
+    for d in sizes_d:
+        print(f"\nd = {d:.0e}: ms per aggregation (default params)")
+        print(f"{'rule':<14}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
+        cells: dict[str, list[str]] = {e.name: [] for e in entries}
+        for n in sizes_n:
+            if not fits_in_memory(n, d):
+                for e in entries:
+                    cells[e.name].append("skipped")
+                continue
+            updates = torch.randn(n, d, generator=gen)
+            weights = torch.randint(10, 500, (n,), generator=gen).float()
+            for e in entries:
+                params = e.params().model_dump()
+                secs = median_seconds(lambda: e.obj(updates, weights, **params), args.repeats)
+                cells[e.name].append(f"{secs * 1e3:.1f}")
+            if n <= naive_max_n:  # the loop is slow and its run-to-run noise small: time it once
+                fast = median_seconds(lambda: AGGREGATORS.get("krum").obj(updates, weights), args.repeats)
+                slow = median_seconds(lambda: naive_krum_scores(updates, 1), 1)
+                naive_rows.append((n, d, fast, slow))
+            del updates
+        for name, row in cells.items():
+            print(f"{name:<14}" + "".join(f"{c:>11}" for c in row))
+
+    print("\nkrum: one Gram product vs a Python loop over pairs (same run)")
+    print(f"{'n':>5} {'d':>8} {'gram ms':>10} {'loop ms':>10} {'loop/gram':>10}")
+    for n, d, fast, slow in naive_rows:
+        print(f"{n:>5} {d:>8.0e} {fast * 1e3:>10.1f} {slow * 1e3:>10.1f} {slow / fast:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
