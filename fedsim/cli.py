@@ -63,9 +63,24 @@ def param_defaults(params) -> str:
     return ", ".join(parts)
 
 
+def component_table_markdown() -> str:
+    """The README's component table, generated from the registries."""
+    from fedsim.registry import ALL
+
+    lines = ["| kind | YAML name | parameters (default) | what it is |", "|---|---|---|---|"]
+    for kind in sorted(ALL):
+        for entry in ALL[kind].entries():
+            params = param_defaults(entry.params).replace("|", "\\|") or "-"
+            lines.append(f"| {kind} | `{entry.name}` | {params} | {entry.summary.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
 def cmd_list(args) -> int:
     from fedsim.registry import ALL
 
+    if args.markdown:
+        print(component_table_markdown(), end="")
+        return 0
     kinds = [args.kind] if args.kind else sorted(ALL)
     for kind in kinds:
         if kind not in ALL:
@@ -132,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="list registered components and their parameters")
     lst.add_argument("kind", nargs="?", default=None)
+    lst.add_argument("--markdown", action="store_true", help="print the README's component table")
     lst.set_defaults(func=cmd_list)
     return parser
 

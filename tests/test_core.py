@@ -70,3 +70,13 @@ def test_models_forward_on_their_inputs():
         entry = MODELS.get(name)
         out = entry.obj(shape, 10, entry.params())(torch.zeros(2, *shape))
         assert out.shape == (2, 10)
+
+
+def test_readme_component_table_is_generated_from_the_registries():
+    from pathlib import Path
+
+    from fedsim.cli import component_table_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("<!-- components:start -->\n")[1].split("<!-- components:end -->")[0]
+    assert table == component_table_markdown(), "run `fedsim list --markdown` and paste it into the README"
