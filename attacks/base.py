@@ -86,15 +86,22 @@ class ClientAttack(ABC):
     def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
         """The (x, y) this attacker trains on."""
 
-    def after_step(self, model: torch.nn.Module, global_vec: torch.Tensor, layout, batch: int, last: bool) -> None:
-        """Called after each optimizer step of the attacker's local training."""
+    def after_step(
+        self, model: torch.nn.Module, global_vec: torch.Tensor, layout, batch: int, last: bool, info: dict
+    ) -> None:
+        """Called after each optimizer step of the attacker's local training; `info` is the round's config."""
 
     def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
         """Transform the attacker's finished update; `info` carries the round's config."""
         return delta
 
-    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, int] | None:
-        """(inputs, target label) on which backdoor success is measured, or None for untargeted attacks."""
+    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, np.ndarray] | None:
+        """(inputs, attacker's labels) on which success is measured: the share of inputs the global
+        model assigns the attacker's label (backdoor success rate), or None when not applicable."""
+        return None
+
+    def honest_extra_data(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Extra correctly labelled data an *honest* client holds in this scenario (normal-case variants)."""
         return None
 
     def report(self, runtime) -> dict:

@@ -8,7 +8,12 @@ the paper's code), and reports |D'| as its example count. Modes:
 * `pgd`: after every `project_every`-th optimizer step and on the last batch of each epoch, project
   the whole model onto the L2 ball of radius `eps` around the global model.
 * `pgd_replacement`: PGD, then scale the update by Γ = (total examples of this round's
-  participants) / |D'|, the inverse of the attacker's FedAvg weight (model replacement).
+  participants) / |D'|, the inverse of the attacker's FedAvg weight (model replacement). The
+  server tells a sampled attacker the round's total (`round_total_examples`): the knowledge the
+  paper's code assumes. `fit_clip_bound` sets eps = bound / Γ so the scaled update just fits a
+  known norm-clipping bound (the code leaves this to the user).
+
+The prox attack of the official code (`--prox_attack`) is not implemented.
 """
 
 from __future__ import annotations
@@ -30,7 +35,17 @@ class EdgeCaseParams(AttackParams):
     num_edge: int = Field(66, ge=1, description="edge-case inputs in D' (paper: 66 ARDIS 7s, 100 Southwest)")
     num_clean: int = Field(100, ge=0, description="clean samples in D' (paper: 100 EMNIST, 400 CIFAR-10)")
     eps: float = Field(1.0, gt=0, description="PGD radius (paper README: 1 for EMNIST, 2 for CIFAR-10)")
+    eps_decay: float = Field(1.0, gt=0, le=1, description="eps_t = eps * eps_decay**(t-1) (the code's choice against Krum)")
+    fit_clip_bound: float | None = Field(
+        None, gt=0, description="set eps so the sent update just fits this norm-clipping bound (eps = bound / scale)"
+    )
     project_every: int = Field(10, ge=1, description="PGD projection period in batches")
+    honest_copies: Literal["none", "normal", "almost_edge"] = Field(
+        "none", description="honest clients also hold correctly labelled edge inputs (the paper's normal-case variants)"
+    )
+    honest_copy_share: float = Field(
+        0.05, gt=0, le=1, description="share of clients holding those copies (paper: 5% normal, ~2% almost-edge)"
+    )
     local_epochs: int | None = Field(None, ge=1, description="attacker's epochs; default: federation.local_epochs")
     lr: float | None = Field(None, gt=0, description="attacker's lr; default: the honest clients' lr")
 
@@ -67,24 +82,62 @@ class EdgeCaseBackdoor(ClientAttack):
         y = np.concatenate([np.full(p.num_edge, edge.target, dtype=np.int64), runtime.data.y_train[clean]])
         return x, y
 
-    def after_step(self, model, global_vec, layout, batch: int, last: bool) -> None:
+    def radius(self, info: dict) -> float:
+        """This round's PGD radius: fixed, decayed with the lr schedule, or fitted to a clipping bound."""
+        p = self.params
+        if p.fit_clip_bound is not None:
+            return p.fit_clip_bound / self.scale(info)
+        return p.eps * p.eps_decay ** (int(info["server-round"]) - 1)
+
+    def scale(self, info: dict) -> float:
+        if self.params.mode != "pgd_replacement":
+            return 1.0
+        return replacement_factor(info["round_total_examples"], info["num_examples"])
+
+    def after_step(self, model, global_vec, layout, batch: int, last: bool, info: dict) -> None:
         if self.params.mode == "blackbox":
             return
         if last or (batch + 1) % self.params.project_every == 0:
-            project_l2(model, global_vec, layout, self.params.eps)
+            project_l2(model, global_vec, layout, self.radius(info))
 
     def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
-        if self.params.mode != "pgd_replacement":
-            return delta
-        return delta * replacement_factor(info["round_total_examples"], info["num_examples"])
+        return delta * self.scale(info) if self.params.mode == "pgd_replacement" else delta
 
-    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, int]:
+    def honest_extra_data(self, runtime, partition_id: int):
+        """Normal-case variants (§1.2): some honest clients hold edge inputs with their true label.
+
+        `normal`: the edge pool beyond the attacker's share, spread over `honest_copy_share` of the
+        clients; `almost_edge`: only the next `num_edge` pool inputs, spread the same way.
+        """
+        p = self.params
+        if p.honest_copies == "none":
+            return None
+        holders = self._copy_holders(runtime)
+        if partition_id not in holders:
+            return None
         edge = self.edge_set(runtime)
-        return edge.x_test, edge.target
+        pool = edge.x_train[p.num_edge :] if p.honest_copies == "normal" else edge.x_train[p.num_edge : 2 * p.num_edge]
+        share = np.array_split(np.arange(len(pool)), len(holders))[holders.index(partition_id)]
+        true_label = edge.source if edge.source is not None else 0  # Southwest planes are airplanes (0)
+        return pool[share], np.full(len(share), true_label, dtype=np.int64)
+
+    def _copy_holders(self, runtime) -> list[int]:
+        key = ("copy_holders", self.params.honest_copy_share)
+        if key not in runtime.cache:
+            honest = [c for c in range(runtime.scenario.federation.num_clients) if c not in runtime.attackers]
+            k = max(1, round(self.params.honest_copy_share * runtime.scenario.federation.num_clients))
+            rng = np.random.default_rng([runtime.scenario.seed, 0xC0B1])
+            runtime.cache[key] = sorted(rng.choice(honest, size=min(k, len(honest)), replace=False).tolist())
+        return runtime.cache[key]
+
+    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, np.ndarray]:
+        edge = self.edge_set(runtime)
+        return edge.x_test, np.full(len(edge.x_test), edge.target, dtype=np.int64)
 
     def report(self, runtime) -> dict:
         edge = self.edge_set(runtime)
         return {
+            "honest_copy_holders": self._copy_holders(runtime) if self.params.honest_copies != "none" else [],
             "edge_train_pool": len(edge.x_train),
             "edge_test": len(edge.x_test),
             "source_class": edge.source,

@@ -33,9 +33,11 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
     epochs, lr = fed.local_epochs, rt.lr(rnd)
     if attack is not None:
         x, y = attack.training_set(rt, pid)
-        epochs = attack.params.local_epochs or epochs
-        lr = attack.params.lr * rt.scenario.federation.lr_decay ** (rnd - 1) if attack.params.lr else lr
-        after_step = lambda b, last: attack.after_step(model, global_vec, rt.layout, b, last)  # noqa: E731
+        info = {"num_examples": len(x), **dict(config)}
+        epochs = getattr(attack.params, "local_epochs", None) or epochs
+        attack_lr = getattr(attack.params, "lr", None)
+        lr = attack_lr * fed.lr_decay ** (rnd - 1) if attack_lr else lr
+        after_step = lambda b, last: attack.after_step(model, global_vec, rt.layout, b, last, info)  # noqa: E731
     else:
         x, y = rt.client_data(pid)
         after_step = None
@@ -43,7 +45,7 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
     stats = train(model, x, y, cfg, derive_seed(rt.scenario.seed, TRAIN, rnd, pid), after_step) if len(x) else {"loss": 0.0}
     delta = rt.layout.flatten_model(model) - global_vec
     if attack is not None:
-        delta = attack.finish_update(delta, {"num_examples": len(x), **dict(config)})
+        delta = attack.finish_update(delta, info)
     return delta, len(x), stats
 
 

@@ -18,6 +18,7 @@ from fedsim.data.base import ArrayDataset, resolve_data_dir
 from fedsim.models.layout import ModelLayout
 from fedsim.registry import ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS
 from fedsim.scenario import scenario_dict
+from fedsim.training import TrainConfig, train
 
 
 class Runtime:
@@ -48,8 +49,20 @@ class Runtime:
         return fn(self.data.y_train, self.scenario.federation.num_clients, self.scenario.seed, spec)
 
     def client_data(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """An honest client's training data: its partition, plus whatever the scenario gives honest
+        clients on top (correctly labelled edge-case copies in the normal-case variants)."""
         idx = self.partitions[partition_id]
-        return self.data.x_train[idx], self.data.y_train[idx]
+        x, y = self.data.x_train[idx], self.data.y_train[idx]
+        extra = self.attack.honest_extra_data(self, partition_id) if self.attack is not None else None
+        if extra is not None and len(extra[0]):
+            x, y = np.concatenate([x, extra[0]]), np.concatenate([y, extra[1]])
+        return x, y
+
+    def client_size(self, partition_id: int, attacking: bool = False) -> int:
+        """Examples a client trains on this round (an attacking client's own training set)."""
+        if attacking and self.attack is not None and self.attack.side == "client":
+            return len(self.attack.training_set(self, partition_id)[1])
+        return len(self.client_data(partition_id)[1])
 
     # --- model ------------------------------------------------------------------------------
     def build_model(self) -> torch.nn.Module:
@@ -61,10 +74,21 @@ class Runtime:
         return ModelLayout.of(self.build_model())
 
     def initial_weights(self) -> torch.Tensor:
-        """The seeded initial global model (the seed is set right before the one model built here)."""
+        """The initial global model: seeded random init, then a checkpoint or central pre-training if configured."""
         layout = self.layout  # may build a model itself: do it before seeding
+        init = self.scenario.init
         torch.manual_seed(self.scenario.seed)
-        return layout.flatten_model(self.build_model())
+        model = self.build_model()
+        if init.checkpoint:
+            state = torch.load(init.checkpoint, map_location="cpu", weights_only=True)
+            model.load_state_dict(state)
+        elif init.pretrain_epochs:
+            rng = np.random.default_rng([self.scenario.seed, 0x9E7])
+            n = len(self.data.y_train)
+            idx = np.sort(rng.choice(n, size=max(1, round(init.pretrain_share * n)), replace=False))
+            cfg = TrainConfig(init.pretrain_epochs, init.pretrain_batch_size, init.pretrain_lr, momentum=0.9)
+            train(model, self.data.x_train[idx], self.data.y_train[idx], cfg, seed=self.scenario.seed)
+        return layout.flatten_model(model)
 
     # --- attack and codec -------------------------------------------------------------------
     @functools.cached_property

@@ -59,6 +59,17 @@ class FederationSection(Section):
     round_timeout: float = Field(600.0, gt=0, description="seconds to wait for a round's replies")
 
 
+class InitSection(Section):
+    """Where the global model starts. The papers start attacks from a pre-trained model
+    (Attack of the Tails loads a checkpoint trained for 10 epochs), not from random weights."""
+
+    checkpoint: str | None = Field(None, description="a state-dict file (torch.save), read with weights_only=True")
+    pretrain_epochs: int = Field(0, ge=0, description="central SGD epochs on the clean training set before round 1")
+    pretrain_share: float = Field(1.0, gt=0, le=1, description="share of the training set used for pre-training")
+    pretrain_lr: float = Field(0.05, gt=0)
+    pretrain_batch_size: int = Field(64, ge=1)
+
+
 class EvaluationSection(Section):
     every: int = Field(1, ge=1, description="central evaluation every k rounds (and always the last)")
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
@@ -86,6 +97,7 @@ def build_scenario_model() -> type[BaseModel]:
         seed: int = 0
         data: DataSection = Field(default_factory=DataSection)
         model: Model = "mlp"
+        init: InitSection = Field(default_factory=InitSection)
         federation: FederationSection = Field(default_factory=FederationSection)
         aggregator: Aggregator = "fedavg"
         defenses: list[Defense] = Field(default_factory=list)

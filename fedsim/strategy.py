@@ -90,14 +90,14 @@ class ScenarioStrategy(Strategy):
             )
         else:
             sampled, strikers = sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
-        total_examples = sum(len(self.rt.partitions[p]) for p in sampled if p not in strikers)
+        # what Attack of the Tails' replacement attacker is assumed to know: the round's total data
+        total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
         model_record = pack_model(self.global_vec, self.rt.layout)
         messages, down = [], 0
         for pid in sampled:
             cfg = {"server-round": server_round, "lr": self.rt.lr(server_round)}
             if pid in strikers and self.rt.attack.side == "client":
-                # what Attack of the Tails' replacement attacker is assumed to know: the round's total data
-                cfg["round_total_examples"] = total_examples + self._attacker_examples() * len(strikers)
+                cfg["round_total_examples"] = total_examples
             msg = Message(
                 RecordDict({"arrays": model_record, "config": ConfigRecord(cfg)}),
                 dst_node_id=self.node_of[pid],
@@ -107,10 +107,6 @@ class ScenarioStrategy(Strategy):
             messages.append(msg)
         self.pending = {"round": server_round, "sampled": sampled, "attackers": strikers, "bytes_down": down}
         return messages
-
-    def _attacker_examples(self) -> int:
-        p = self.scenario.attack
-        return getattr(p, "num_edge", 0) + getattr(p, "num_clean", 0)
 
     def _decode(self, replies: Iterable[Message]) -> tuple[list, dict, int, dict]:
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
@@ -178,6 +174,7 @@ class ScenarioStrategy(Strategy):
             return None, None
         record["aggregated"] = list(batch.client_ids)
         self.global_vec = self.global_vec + aggregate
+        record["global_norm"] = float(torch.linalg.vector_norm(self.global_vec))
         return pack_model(self.global_vec, self.rt.layout), MetricRecord({"num-updates": len(rows)})
 
     def _server_attack(self, batch: UpdateBatch, strikers: set, ctx: RoundContext) -> UpdateBatch:
@@ -210,8 +207,8 @@ class ScenarioStrategy(Strategy):
         main = evaluate(model, self.rt.data.x_test, self.rt.data.y_test, bs)
         out = {"main_accuracy": main["accuracy"], "main_loss": main["loss"], "backdoor_success": None}
         if self.backdoor is not None:
-            x_bd, target = self.backdoor
-            out["backdoor_success"] = target_rate(model, x_bd, target, bs)
+            x_bd, targets = self.backdoor
+            out["backdoor_success"] = target_rate(model, x_bd, targets, bs)
             source = getattr(getattr(self.scenario.attack, "edge_set", None), "source_class", None)
             if source is not None:  # clean accuracy on the edge set's source class
                 mask = self.rt.data.y_test == source

@@ -77,9 +77,9 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 1
     return {"accuracy": float((pred == y).mean()), "loss": float(loss)}
 
 
-def target_rate(model: nn.Module, x: np.ndarray, target: int, batch_size: int = 1024) -> float:
-    """Share of inputs classified as `target`: the backdoor success rate on an edge/trigger set."""
+def target_rate(model: nn.Module, x: np.ndarray, targets: np.ndarray, batch_size: int = 1024) -> float:
+    """Share of inputs classified as the attacker's label: the backdoor success rate on an edge/trigger set."""
     if len(x) == 0:
         return float("nan")
     pred, _ = predict(model, x, batch_size)
-    return float((pred == target).mean())
+    return float((pred == targets).mean())

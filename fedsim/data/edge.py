@@ -37,7 +37,12 @@ class TailEdge(Params):
     name: Literal["tail"] = "tail"
     source_class: int = Field(7, ge=0)
     target_class: int = Field(1, ge=0)
-    transform: Literal["rotate", "invert", "thicken"] = "rotate"
+    transform: Literal["rotate", "invert", "thicken", "none"] = Field(
+        "rotate", description="`none`: take the lowest-density natural source-class images instead"
+    )
+    natural_percentile: float = Field(
+        10.0, gt=0, le=100, description="with transform none: keep source images below this training log-likelihood percentile"
+    )
     angle_range: tuple[float, float] = Field((30.0, 90.0), description="rotation angle range in degrees")
     both_directions: bool = Field(True, description="rotate clockwise or anticlockwise at random")
     pca_components: int = Field(20, ge=1)
@@ -87,26 +92,31 @@ def _transform(images: np.ndarray, spec: TailEdge, rng: np.random.Generator) -> 
     return out
 
 
-def density_report(train_x: np.ndarray, edge_x: np.ndarray, spec: TailEdge, seed: int) -> dict:
+def density_model(train_x: np.ndarray, spec: TailEdge, seed: int):
+    """Log-likelihood function of a GMM on PCA features fitted to the clean training images."""
+    from sklearn.decomposition import PCA
+    from sklearn.mixture import GaussianMixture
+
+    flat_train = train_x.reshape(len(train_x), -1)
+    pca = PCA(n_components=min(spec.pca_components, flat_train.shape[1]), random_state=seed).fit(flat_train)
+    gmm = GaussianMixture(spec.gmm_components, covariance_type="full", reg_covar=1e-4, random_state=seed)
+    gmm.fit(pca.transform(flat_train))
+    return lambda x: gmm.score_samples(pca.transform(x.reshape(len(x), -1))), f"GMM({spec.gmm_components}, full) on PCA({pca.n_components_}) of clean training images"
+
+
+def density_report(train_x: np.ndarray, edge_x: np.ndarray, spec: TailEdge, seed: int, model=None) -> dict:
     """Where the edge inputs fall under a GMM-on-PCA density fitted to the clean training images.
 
     `median_percentile` is the median, over edge inputs, of the share of training images whose
     log-likelihood is lower: near 0 means deep in the tail, near 50 would mean typical.
     """
-    from sklearn.decomposition import PCA
-    from sklearn.mixture import GaussianMixture
-
-    flat_train = train_x.reshape(len(train_x), -1)
-    flat_edge = edge_x.reshape(len(edge_x), -1)
-    pca = PCA(n_components=min(spec.pca_components, flat_train.shape[1]), random_state=seed).fit(flat_train)
-    gmm = GaussianMixture(spec.gmm_components, covariance_type="full", reg_covar=1e-4, random_state=seed)
-    gmm.fit(pca.transform(flat_train))
-    ll_train = np.sort(gmm.score_samples(pca.transform(flat_train)))
-    ll_edge = gmm.score_samples(pca.transform(flat_edge))
+    loglik, method = model if model is not None else density_model(train_x, spec, seed)
+    ll_train = np.sort(loglik(train_x))
+    ll_edge = loglik(edge_x)
     pct = 100.0 * np.searchsorted(ll_train, ll_edge) / len(ll_train)
     p5 = float(np.percentile(ll_train, 5))
     return {
-        "method": f"GMM({spec.gmm_components}, full) on PCA({pca.n_components_}) of clean training images",
+        "method": method,
         "median_percentile": float(np.median(pct)),
         "share_below_train_p5": float(np.mean(ll_edge < p5)),
         "median_loglik_edge": float(np.median(ll_edge)),
@@ -118,9 +128,17 @@ def build_tail(data: ArrayDataset, spec: TailEdge, seed: int) -> EdgeSet:
     if max(spec.source_class, spec.target_class) >= data.num_classes:
         raise ValueError(f"edge_set classes must be < {data.num_classes} for dataset {data.name}")
     rng = np.random.default_rng([seed, 0xED6E])
-    x_tr = _transform(data.x_train[data.y_train == spec.source_class], spec, rng)
-    x_te = _transform(data.x_test[data.y_test == spec.source_class], spec, rng)
-    report = density_report(data.x_train, np.concatenate([x_tr, x_te]), spec, seed)
+    src_tr = data.x_train[data.y_train == spec.source_class]
+    src_te = data.x_test[data.y_test == spec.source_class]
+    model = density_model(data.x_train, spec, seed)
+    if spec.transform == "none":  # the dataset's own tail: lowest-density natural source images
+        cut = np.percentile(model[0](data.x_train), spec.natural_percentile)
+        x_tr, x_te = src_tr[model[0](src_tr) < cut], src_te[model[0](src_te) < cut]
+        if len(x_tr) == 0 or len(x_te) == 0:
+            raise ValueError(f"no source-class image lies below the {spec.natural_percentile}th density percentile")
+    else:
+        x_tr, x_te = _transform(src_tr, spec, rng), _transform(src_te, spec, rng)
+    report = density_report(data.x_train, np.concatenate([x_tr, x_te]), spec, seed, model)
     return EdgeSet(x_tr, x_te, spec.target_class, spec.source_class, report)
 
 
