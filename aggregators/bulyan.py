@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -35,22 +36,21 @@ Selection = Literal["krum", "multikrum", "krum_single_pass"]
 def iterative_krum_select(sq_dist: torch.Tensor, num_malicious: int, count: int) -> torch.Tensor:
     """Run Krum `count` times on the remaining updates, removing each winner; winners in order.
 
-    One Python step per selected update (not per pair or coordinate): a removed update's column
-    becomes +inf, so the remaining rows are rescored from the same distance matrix.
+    One step per selected update (never per pair or coordinate), each on the remaining rows of the
+    [n, n] distance matrix. The steps run in numpy: each is a tiny op, and torch's multi-threaded
+    dispatch of tiny ops took seconds at n = 200 on a loaded 2-core host (numpy: ~40 ms).
+    Ties go to the lowest index, as np.argmin in Flower's aggregate_krum.
     """
-    n = sq_dist.shape[0]
-    others = sq_dist.clone()
-    others.fill_diagonal_(float("inf"))
-    removed = torch.zeros(n, dtype=torch.bool)
+    others = sq_dist.detach().to("cpu", torch.float64).numpy().copy()
+    np.fill_diagonal(others, np.inf)
+    remaining = list(range(others.shape[0]))
     chosen = []
-    for step in range(count):
-        remaining = n - step
-        neighbours = min(max(1, remaining - num_malicious - 2), remaining - 1)  # 0: a lone survivor
-        scores = others.topk(neighbours, dim=1, largest=False).values.sum(dim=1)
-        winner = int(torch.argmin(scores.masked_fill_(removed, float("inf"))))
-        chosen.append(winner)
-        removed[winner] = True
-        others[:, winner] = float("inf")
+    for _ in range(count):
+        size = len(remaining)
+        neighbours = min(max(1, size - num_malicious - 2), size - 1)  # 0 for a lone survivor
+        sub = others[np.ix_(remaining, remaining)]
+        scores = np.partition(sub, neighbours - 1, axis=1)[:, :neighbours].sum(axis=1) if neighbours else np.zeros(1)
+        chosen.append(remaining.pop(int(np.argmin(scores))))
     return torch.tensor(chosen, dtype=torch.long)
 
 
@@ -104,5 +104,5 @@ def bulyan(
     check_inputs(updates, weights)
     chosen = bulyan_select(updates, num_malicious, selection)
     beta = len(chosen) - 2 * num_malicious
-    candidates = updates[chosen]
-    return reduce_column_blocks(lambda block: closest_to_median_mean(block, beta), candidates)
+    # Candidate rows are gathered block by block, never as a second full [theta, d] copy.
+    return reduce_column_blocks(lambda block: closest_to_median_mean(block[chosen], beta), updates)

@@ -193,7 +193,8 @@ class _PixelBackdoor(PartitionPoisoner):
         return x, y
 
     def backdoor_test_set(self, runtime):
-        return stamped_test_set(runtime, self.test_mask(runtime), trigger_value(runtime, self.params.value), self.params.target_class)
+        value = trigger_value(runtime, self.params.value)
+        return stamped_test_set(runtime, self.test_mask(runtime), value, self.params.target_class)
 
     def report(self, runtime) -> dict:
         return {
@@ -210,7 +211,9 @@ class TriggerParams(PoisonParams):
     size: int = Field(3, ge=1, description="side of the pattern's box in pixels (2 suits 8x8 digits)")
     location: Literal["bottom_right", "top_left"] = Field("bottom_right", description="corner of the pattern")
     value: float | None = Field(None, description="stamped pixel value; default: the training set's max per channel (white)")
-    poison_fraction: float = Field(0.5, gt=0, le=1, description="share of the attacker's partition stamped and relabelled (chosen once)")
+    poison_fraction: float = Field(
+        0.5, gt=0, le=1, description="share of the attacker's partition stamped and relabelled (chosen once)"
+    )
 
     @model_validator(mode="after")
     def _odd_plus(self) -> "TriggerParams":
@@ -243,7 +246,8 @@ class DBAParams(PoisonParams):
     offset: tuple[int, int] = Field((0, 0), description="(row, col) shift of the whole trigger")
     value: float | None = Field(None, description="stamped pixel value; default: the training set's max per channel (white)")
     poison_per_batch: float = Field(
-        0.3125, gt=0, le=1, description="share of the partition stamped and relabelled, so of each batch on average (DBA MNIST: 20/64)"
+        0.3125, gt=0, le=1,
+        description="share of the partition stamped and relabelled (chosen once), so of each batch on average (DBA MNIST: 20/64)",
     )
     scale: Scale = Field(
         "auto", description='update factor; "auto" = inverse FedAvg weight (DBA: 100 = n/eta with 10 clients, server lr 0.1)'
@@ -289,4 +293,5 @@ class DistributedBackdoor(_PixelBackdoor):
         return self.pieces(runtime).any(axis=0)
 
     def report(self, runtime) -> dict:
-        return {**super().report(runtime), "piece_of_attacker": {pid: self.piece_of(runtime, pid) for pid in runtime.attackers}}
+        pieces = {pid: self.piece_of(runtime, pid) for pid in runtime.attackers}
+        return {**super().report(runtime), "piece_of_attacker": pieces}

@@ -81,6 +81,12 @@ def cmd_list(args) -> int:
     if args.markdown:
         print(component_table_markdown(), end="")
         return 0
+    if args.write_readme:
+        text = args.write_readme.read_text()
+        head, rest = text.split("<!-- components:start -->\n", 1)
+        tail = rest.split("<!-- components:end -->", 1)[1]
+        args.write_readme.write_text(head + "<!-- components:start -->\n" + component_table_markdown() + "<!-- components:end -->" + tail)
+        return 0
     kinds = [args.kind] if args.kind else sorted(ALL)
     for kind in kinds:
         if kind not in ALL:
@@ -148,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="list registered components and their parameters")
     lst.add_argument("kind", nargs="?", default=None)
     lst.add_argument("--markdown", action="store_true", help="print the README's component table")
+    lst.add_argument("--write-readme", type=Path, default=None, metavar="README", help="rewrite the table in README")
     lst.set_defaults(func=cmd_list)
     return parser
 

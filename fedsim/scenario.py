@@ -74,6 +74,9 @@ class EvaluationSection(Section):
     every: int = Field(1, ge=1, description="central evaluation every k rounds (and always the last)")
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
     batch_size: int = Field(1024, ge=1)
+    test_subset: int | None = Field(
+        None, ge=1, description="evaluate main accuracy on this many test images (a fixed seeded subset); default: all"
+    )
 
 
 class OutputSection(Section):

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -48,6 +49,11 @@ class ScenarioStrategy(Strategy):
         self.global_vec = runtime.initial_weights()
         self.pending: dict = {}  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
+        self.test_x, self.test_y = runtime.data.x_test, runtime.data.y_test
+        subset = self.scenario.evaluation.test_subset
+        if subset is not None and subset < len(self.test_y):
+            keep = np.sort(numpy_rng(self.scenario.seed, SERVER, 0).choice(len(self.test_y), subset, replace=False))
+            self.test_x, self.test_y = self.test_x[keep], self.test_y[keep]
         self.backdoor = None
         if runtime.attack is not None:
             self.backdoor = runtime.attack.backdoor_test_set(runtime)
@@ -145,9 +151,10 @@ class ScenarioStrategy(Strategy):
         record.update({"bytes_up": up, "rejected": rejected, "defenses": {}, "skipped": None})
         record["train_loss"] = (sum(losses[p] for p in sorted(losses)) / len(losses)) if losses else None
         strikers = set(record["attackers"])
-        record["attacker_update_norms"] = {
-            pid: float(torch.linalg.vector_norm(u)) for pid, u, _ in rows if pid in strikers
-        }
+        norms = {pid: float(torch.linalg.vector_norm(u)) for pid, u, _ in rows}
+        record["attacker_update_norms"] = {pid: v for pid, v in norms.items() if pid in strikers}
+        honest = sorted(v for pid, v in norms.items() if pid not in strikers)
+        record["honest_update_norm_median"] = float(np.median(honest)) if honest else None
         if not rows:
             record["skipped"] = "no valid updates"
             return None, None
@@ -204,15 +211,15 @@ class ScenarioStrategy(Strategy):
         model = self.rt.build_model()
         self.rt.layout.load_into(model, self.global_vec)
         bs = self.scenario.evaluation.batch_size
-        main = evaluate(model, self.rt.data.x_test, self.rt.data.y_test, bs)
+        main = evaluate(model, self.test_x, self.test_y, bs)
         out = {"main_accuracy": main["accuracy"], "main_loss": main["loss"], "backdoor_success": None}
         if self.backdoor is not None:
             x_bd, targets = self.backdoor
             out["backdoor_success"] = target_rate(model, x_bd, targets, bs)
             source = getattr(getattr(self.scenario.attack, "edge_set", None), "source_class", None)
             if source is not None:  # clean accuracy on the edge set's source class
-                mask = self.rt.data.y_test == source
-                out["source_class_accuracy"] = evaluate(model, self.rt.data.x_test[mask], self.rt.data.y_test[mask], bs)["accuracy"]
+                mask = self.test_y == source
+                out["source_class_accuracy"] = evaluate(model, self.test_x[mask], self.test_y[mask], bs)["accuracy"]
         return out
 
     def end_round(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
