@@ -135,6 +135,15 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from fedsim.report import find_runs, markdown_table, write_report
+
+    path = write_report(args.dirs, args.out)
+    console.print(markdown_table(find_runs(args.dirs)), markup=False, highlight=False)
+    console.print(f"report: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsim", description="Federated learning under attack, on Flower.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("file", type=Path)
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     val.set_defaults(func=cmd_validate)
+
+    rep = sub.add_parser("report", help="markdown table and plots from run folders")
+    rep.add_argument("dirs", type=Path, nargs="+", help="run folders, or folders holding run folders")
+    rep.add_argument("--out", type=Path, default=Path("report"), help="where report.md and the PNGs go")
+    rep.set_defaults(func=cmd_report)
 
     lst = sub.add_parser("list", help="list registered components and their parameters")
     lst.add_argument("kind", nargs="?", default=None)
@@ -171,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DataFileError as err:
         err_console.print(f"data error: {err}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except FileNotFoundError as err:
+        err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted: rounds completed so far are in the run folder")

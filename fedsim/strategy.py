@@ -172,6 +172,10 @@ class ScenarioStrategy(Strategy):
                 if batch.updates.shape[0] == 0:
                     raise AggregationError(f"defense {name} removed every update")
             aggregate = self.aggregate_rule(batch.updates, batch.weights, **self.aggregate_kwargs)
+            select = getattr(self.aggregate_rule, "select", None)  # rules that pick rows (Krum) say which
+            if select is not None:
+                chosen = select(batch.updates, batch.weights, **self.aggregate_kwargs)
+                record["selected"] = [batch.client_ids[i] for i in chosen.tolist()]
             for name, defense in self.defenses:
                 aggregate, info = defense.after(aggregate, ctx)
                 record["defenses"].setdefault(name, {}).update(info)

@@ -1,0 +1,122 @@
+"""Reports drawn from run folders on disk only (rounds.jsonl, summary.json), never from memory,
+so any report can be redrawn later: a markdown table and matplotlib plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fedsim.results import read_rounds
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    """Run folders among `paths` (a run folder itself, or a folder of run folders), sorted by name."""
+    runs: list[Path] = []
+    for path in paths:
+        path = Path(path)
+        if (path / "rounds.jsonl").exists():
+            runs.append(path)
+        else:
+            runs += sorted(p.parent for p in path.glob("*/rounds.jsonl"))
+    return sorted(set(runs), key=lambda p: p.name)
+
+
+def run_label(run: Path) -> str:
+    summary = run / "summary.json"
+    if summary.exists():
+        return json.loads(summary.read_text())["name"]
+    return run.name
+
+
+def run_row(run: Path) -> dict:
+    rounds = read_rounds(run)
+    acc = [r["main_accuracy"] for r in rounds if r.get("main_accuracy") is not None]
+    bd = [r["backdoor_success"] for r in rounds if r.get("backdoor_success") is not None]
+    return {
+        "run": run_label(run),
+        "rounds": len(rounds),
+        "final_acc": acc[-1] if acc else None,
+        "best_acc": max(acc) if acc else None,
+        "final_backdoor": bd[-1] if bd else None,
+        "peak_backdoor": max(bd) if bd else None,
+        "mean_backdoor": sum(bd) / len(bd) if bd else None,
+        "mb_up": sum(r.get("bytes_up", 0) for r in rounds) / 1e6,
+        "seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
+    }
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
+
+
+def markdown_table(runs: list[Path]) -> str:
+    lines = [
+        "| run | rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % | MB up | s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        r = run_row(run)
+        lines.append(
+            f"| {r['run']} | {r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
+            f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(runs: list[Path], out: Path) -> list[Path]:
+    """Main accuracy and backdoor success per round, one line per run; attack rounds marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_bd) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for run in runs:
+        rounds = read_rounds(run)
+        xs = [r["round"] for r in rounds]
+        label = run_label(run)
+        ax_acc.plot(xs, [r.get("main_accuracy") for r in rounds], label=label)
+        line, = ax_bd.plot(xs, [r.get("backdoor_success") for r in rounds], label=label)
+        hits = [r["round"] for r in rounds if r.get("attackers")]
+        ax_bd.plot(hits, [next(r.get("backdoor_success") for r in rounds if r["round"] == h) for h in hits],
+                   "o", color=line.get_color(), markersize=3)
+    ax_acc.set(xlabel="round", ylabel="main-task accuracy", title="main task")
+    ax_bd.set(xlabel="round", ylabel="backdoor success rate", title="backdoor (dots: attack rounds)", ylim=(-0.02, 1.02))
+    ax_bd.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot_bytes_vs_accuracy(runs: list[Path], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for run in runs:
+        rows = run_row(run)
+        ax.scatter(rows["mb_up"], rows["final_acc"], label=rows["run"])
+    ax.set(xlabel="MB uploaded (total)", ylabel="final main accuracy")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "bytes_vs_accuracy.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(paths: list[Path], out: Path) -> Path:
+    """`report.md` with the table and the plots, from the run folders under `paths`."""
+    runs = find_runs(paths)
+    if not runs:
+        raise FileNotFoundError(f"no run folders (with rounds.jsonl) under {', '.join(map(str, paths))}")
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot_curves(runs, out) + [plot_bytes_vs_accuracy(runs, out)]
+    text = "# fedsim report\n\n" + markdown_table(runs) + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in plots)
+    (out / "report.md").write_text(text)
+    return out / "report.md"
