@@ -23,13 +23,32 @@ from fedsim.registry import Params
 from fedsim.updates import RoundContext
 
 
-class ServerAttack(ABC):
-    """Base of the omniscient model-poisoning attacks run by the simulated server (simulation only)."""
+class Attack(ABC):
+    """What every attack offers the server besides its own mechanics (defaults: nothing to add)."""
 
-    side = "server"
+    side = "client"
 
     def __init__(self, params) -> None:
         self.params = params
+
+    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, np.ndarray] | None:
+        """(inputs, attacker's labels) on which success is measured: the share of inputs the global
+        model assigns the attacker's label (backdoor success rate), or None when not applicable."""
+        return None
+
+    def honest_extra_data(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Extra correctly labelled data an *honest* client holds in this scenario (normal-case variants)."""
+        return None
+
+    def report(self, runtime) -> dict:
+        """Facts about the attack worth keeping in summary.json (e.g. the edge set's density check)."""
+        return {}
+
+
+class ServerAttack(Attack):
+    """Base of the omniscient model-poisoning attacks run by the simulated server (simulation only)."""
+
+    side = "server"
 
     @abstractmethod
     def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
@@ -68,7 +87,7 @@ class AttackParams(Params):
         return sorted(rng.choice(num_clients, size=self.num_attackers, replace=False).tolist())
 
 
-class ClientAttack(ABC):
+class ClientAttack(Attack):
     """Base of the attacks that run on a malicious client, as a real compromised device would.
 
     The ClientApp asks the attack for the attacker's training set, lets it hook into local training
@@ -78,9 +97,6 @@ class ClientAttack(ABC):
     """
 
     side = "client"
-
-    def __init__(self, params) -> None:
-        self.params = params
 
     @abstractmethod
     def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,16 +110,3 @@ class ClientAttack(ABC):
     def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
         """Transform the attacker's finished update; `info` carries the round's config."""
         return delta
-
-    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, np.ndarray] | None:
-        """(inputs, attacker's labels) on which success is measured: the share of inputs the global
-        model assigns the attacker's label (backdoor success rate), or None when not applicable."""
-        return None
-
-    def honest_extra_data(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Extra correctly labelled data an *honest* client holds in this scenario (normal-case variants)."""
-        return None
-
-    def report(self, runtime) -> dict:
-        """Facts about the attack worth keeping in summary.json (e.g. the edge set's density check)."""
-        return {}
