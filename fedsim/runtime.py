@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -83,12 +85,26 @@ class Runtime:
             state = torch.load(init.checkpoint, map_location="cpu", weights_only=True)
             model.load_state_dict(state)
         elif init.pretrain_epochs:
-            rng = np.random.default_rng([self.scenario.seed, 0x9E7])
-            n = len(self.data.y_train)
-            idx = np.sort(rng.choice(n, size=max(1, round(init.pretrain_share * n)), replace=False))
-            cfg = TrainConfig(init.pretrain_epochs, init.pretrain_batch_size, init.pretrain_lr, momentum=0.9)
-            train(model, self.data.x_train[idx], self.data.y_train[idx], cfg, seed=self.scenario.seed)
+            self._pretrain(model)
         return layout.flatten_model(model)
+
+    def _pretrain(self, model: torch.nn.Module) -> None:
+        """Central pre-training on the clean training set, cached on disk by everything it depends on."""
+        init, sc = self.scenario.init, self.scenario
+        key = json.dumps([scenario_dict(sc)[k] for k in ("data", "model", "init", "seed")], sort_keys=True)
+        cache = cache_dir() / f"pretrained-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+        if cache.exists():
+            model.load_state_dict(torch.load(cache, map_location="cpu", weights_only=True))
+            return
+        rng = np.random.default_rng([sc.seed, 0x9E7])
+        n = len(self.data.y_train)
+        idx = np.sort(rng.choice(n, size=max(1, round(init.pretrain_share * n)), replace=False))
+        cfg = TrainConfig(init.pretrain_epochs, init.pretrain_batch_size, init.pretrain_lr, momentum=0.9)
+        train(model, self.data.x_train[idx], self.data.y_train[idx], cfg, seed=sc.seed)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        torch.save(model.state_dict(), tmp)
+        tmp.replace(cache)  # atomic: parallel runs never read half a file
 
     # --- attack and codec -------------------------------------------------------------------
     @functools.cached_property
@@ -109,6 +125,11 @@ class Runtime:
     def lr(self, rnd: int) -> float:
         fed = self.scenario.federation
         return fed.lr * fed.lr_decay ** (rnd - 1)
+
+
+def cache_dir() -> Path:
+    """Where derived artefacts (pre-trained initial models) are cached: $FEDSIM_CACHE_DIR or ~/.cache/fedsim."""
+    return Path(os.environ.get("FEDSIM_CACHE_DIR", Path.home() / ".cache" / "fedsim"))
 
 
 def scenario_key(scenario) -> str:
