@@ -96,3 +96,11 @@ def test_crashing_client_is_reported_not_fatal(tmp_path):
     hit = [r for r in read_rounds(run_dir) if 1 in r["sampled"]]
     assert hit and all("device out of memory" in r["rejected"]["1"] for r in hit)
     assert summary["rounds_completed"] == 4
+
+
+def test_initial_evaluation_writes_round_zero(tmp_path):
+    rounds, summary, _ = run(tmp_path, ["evaluation.initial=true", "evaluation.every=2"])
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]
+    assert rounds[0]["main_accuracy"] is not None and rounds[0]["sampled"] == []
+    # evaluated every 2nd round and always the last one
+    assert [r.get("main_accuracy") is not None for r in rounds] == [True, False, True, False, True]

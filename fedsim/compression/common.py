@@ -135,7 +135,7 @@ class TensorCodec(Codec):
             residual = state[RESIDUAL]
             if residual.shape != (layout.dim,):
                 raise ValueError(f"codec residual has shape {residual.shape}, expected ({layout.dim},)")
-            p = delta + torch.from_numpy(residual)
+            p = delta + torch.tensor(residual)
         payload, ctx = self.prepare(delta, p, layout, state)
         raw = []
         for i, (shape, off, size) in enumerate(zip(layout.shapes, layout.offsets, layout.sizes)):
