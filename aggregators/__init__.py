@@ -9,5 +9,6 @@ A rule that cannot run on the given n (e.g. Krum needs n >= 2f + 3) raises `Aggr
 from aggregators.base import AggregationError
 from aggregators import fedavg  # noqa: F401  (registers)
 from aggregators import krum, coordinate, bulyan, rfa  # noqa: F401  (register)
+from aggregators import detox  # noqa: F401  (registers; nests the rules above)
 
 __all__ = ["AggregationError"]

@@ -48,13 +48,18 @@ def iterative_krum_select(sq_dist: torch.Tensor, num_malicious: int, count: int)
     for _ in range(count):
         size = len(remaining)
         neighbours = min(max(1, size - num_malicious - 2), size - 1)  # 0 for a lone survivor
+        if neighbours == 0:
+            chosen.append(remaining.pop())
+            continue
         sub = others[np.ix_(remaining, remaining)]
-        scores = np.partition(sub, neighbours - 1, axis=1)[:, :neighbours].sum(axis=1) if neighbours else np.zeros(1)
+        scores = np.partition(sub, neighbours - 1, axis=1)[:, :neighbours].sum(axis=1)
         chosen.append(remaining.pop(int(np.argmin(scores))))
     return torch.tensor(chosen, dtype=torch.long)
 
 
-def bulyan_select(updates: torch.Tensor, num_malicious: int, selection: Selection = "krum") -> torch.Tensor:
+def bulyan_select(
+    updates: torch.Tensor, num_malicious: int, selection: Selection = "krum"
+) -> torch.Tensor:
     """Indices of Bulyan's candidate set for the given selection variant."""
     n, f = updates.shape[0], num_malicious
     if n < 4 * f + 3:

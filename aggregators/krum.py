@@ -59,7 +59,8 @@ def multikrum_select(
     m = n - num_malicious if num_selected is None else num_selected
     if not 1 <= m <= n:
         raise AggregationError(
-            f"multikrum needs 1 <= num_selected <= n, got num_selected={m}, n={n}, f={num_malicious}"
+            f"multikrum needs 1 <= num_selected <= n, "
+            f"got num_selected={m}, n={n}, f={num_malicious}"
         )
     return lowest_scores(krum_scores(updates, num_malicious), m)
 

@@ -17,7 +17,9 @@ from aggregators.base import AggregationError, check_inputs
 from fedsim.registry import AGGREGATORS, Params
 
 
-def geometric_median_objective(updates: torch.Tensor, alphas: torch.Tensor, z: torch.Tensor) -> float:
+def geometric_median_objective(
+    updates: torch.Tensor, alphas: torch.Tensor, z: torch.Tensor
+) -> float:
     """sum_i alpha_i ||z - w_i||."""
     return float(alphas @ torch.linalg.vector_norm(updates - z, dim=1).to(alphas.dtype))
 

@@ -1,4 +1,4 @@
-"""Time per aggregation of every registered rule, and Krum's Gram-product speed-up over a per-pair loop.
+"""Time per aggregation of every registered rule; Krum's Gram product against a per-pair loop.
 
 Run: `.venv/bin/python benchmarks/aggregators.py [--quick]`. Prints median wall-clock times of a few
 repeats with torch on 2 threads, and ratios measured in the same run. Asserts nothing about time.
@@ -28,7 +28,7 @@ PEAK_COPIES = 3  # input + one same-size temporary (centred rows, |x - z|) + sla
 
 
 def median_seconds(fn, repeats: int, budget_s: float = 2.0) -> float:
-    """Median time of up to `repeats` runs; stops repeating once `budget_s` is spent (slow cases)."""
+    """Median of up to `repeats` runs; stops repeating once `budget_s` is spent (slow cases)."""
     times = []
     while len(times) < repeats and sum(times) < budget_s:
         start = time.perf_counter()
@@ -65,8 +65,8 @@ def main() -> None:
     entries = AGGREGATORS.entries()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of up to {args.repeats} runs "
-        f"(fewer once 2 s are spent on one case), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"median of up to {args.repeats} runs (fewer once 2 s are spent on one case), "
         f"{os.cpu_count()} CPUs, load average {load}"
     )
 
@@ -88,7 +88,8 @@ def main() -> None:
                 secs = median_seconds(lambda: e.obj(updates, weights, **params), args.repeats)
                 cells[e.name].append(f"{secs * 1e3:.1f}")
             if n <= naive_max_n:  # the loop is slow and its run-to-run noise small: time it once
-                fast = median_seconds(lambda: AGGREGATORS.get("krum").obj(updates, weights), args.repeats)
+                krum = AGGREGATORS.get("krum").obj
+                fast = median_seconds(lambda: krum(updates, weights), args.repeats)
                 slow = median_seconds(lambda: naive_krum_scores(updates, 1), 1)
                 naive_rows.append((n, d, fast, slow))
             del updates

@@ -106,10 +106,18 @@ def cmd_run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fedsim.results import new_run_dir, read_rounds
-    from fedsim.scenario import load_scenario
+    from fedsim.scenario import ScenarioError, load_scenario
 
-    scenario = load_scenario(args.file, args.set)
-    run_dir = new_run_dir(scenario, args.output)
+    if args.resume is not None:
+        if args.file is not None or args.set:
+            raise ScenarioError("--resume", [("--resume", "takes the run folder only: the scenario is its scenario.yaml", str(args.file))])
+        run_dir = args.resume
+        scenario = load_scenario(run_dir / "scenario.yaml")
+    else:
+        if args.file is None:
+            raise ScenarioError("fedsim run", [("FILE", "a scenario file is required (or --resume DIR)", None)])
+        scenario = load_scenario(args.file, args.set)
+        run_dir = new_run_dir(scenario, args.output)
     from fedsim.simulation import simulate  # imports flwr/ray: after the scenario is known to be valid
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
@@ -149,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a scenario on Ray-simulated clients")
-    run.add_argument("file", type=Path)
+    run.add_argument("file", type=Path, nargs="?", default=None)
+    run.add_argument("--resume", type=Path, default=None, metavar="DIR", help="continue a run folder after its last completed round")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. federation.rounds=5")
     run.add_argument("--output", type=Path, default=None, help="parent folder of the run folder (default: output.dir)")
     run.add_argument("--verbose", action="store_true", help="show Flower and Ray logs")

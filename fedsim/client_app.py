@@ -12,6 +12,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedsim.checkpoint import load_client, save_client
 from fedsim.runtime import runtime_for
 from fedsim.seeding import TRAIN, derive_seed
 from fedsim.training import TrainConfig, train
@@ -25,8 +26,13 @@ def partition_id(context: Context) -> int:
 
 
 def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tuple[torch.Tensor, int, dict]:
-    """Train from the global model on this client's data (or the attacker's) and return the update."""
+    """Train from the global model on this client's data (or the attacker's) and return the update.
+
+    Under redundant aggregation (DETOX) the server names a `data-partition`: every member of a
+    group then trains on that shard with that shard's seed, so honest members agree bit for bit.
+    """
     fed = rt.scenario.federation
+    data_pid = int(config.get("data-partition", pid))
     attack = rt.attack if (pid in rt.attackers and rt.attack is not None and rt.attack.side == "client") else None
     model = rt.build_model()
     rt.layout.load_into(model, global_vec)
@@ -39,10 +45,11 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
         lr = attack_lr * fed.lr_decay ** (rnd - 1) if attack_lr else lr
         after_step = lambda b, last: attack.after_step(model, global_vec, rt.layout, b, last, info)  # noqa: E731
     else:
-        x, y = rt.client_data(pid)
+        x, y = rt.client_data(data_pid)
         after_step = None
     cfg = TrainConfig(epochs, fed.batch_size, lr, fed.momentum, fed.weight_decay)
-    stats = train(model, x, y, cfg, derive_seed(rt.scenario.seed, TRAIN, rnd, pid), after_step) if len(x) else {"loss": 0.0}
+    seed = derive_seed(rt.scenario.seed, TRAIN, rnd, data_pid)
+    stats = train(model, x, y, cfg, seed, after_step) if len(x) else {"loss": 0.0}
     delta = rt.layout.flatten_model(model) - global_vec
     if attack is not None:
         delta = attack.finish_update(delta, info)
@@ -68,12 +75,17 @@ def make_client_app(scenario=None) -> ClientApp:
         rnd = int(config["server-round"])
         global_vec = unpack_model(msg.content["arrays"], rt.layout)
         delta, n, stats = local_update(rt, pid, global_vec, rnd, config)
+        ckpt = str(config["checkpoint-dir"]) if "checkpoint-dir" in config else None
         state = {}
         if CODEC_STATE in context.state:
             state = {k: v.numpy() for k, v in context.state[CODEC_STATE].items()}
+        elif ckpt is not None:  # a resumed run: this node's memory comes from the checkpoint
+            state = load_client(ckpt, pid, rnd) or {}
         payload, state = rt.codec.encode(delta, rt.layout, state)
         if state:
             context.state[CODEC_STATE] = pack_payload(state)
+            if ckpt is not None:
+                save_client(ckpt, pid, rnd, state)
         metrics = MetricRecord({"num-examples": int(n), "train-loss": float(stats["loss"]), "partition-id": pid})
         return Message(RecordDict({"update": pack_payload(payload), "metrics": metrics}), reply_to=msg)
 

@@ -81,6 +81,7 @@ class EvaluationSection(Section):
 
 class OutputSection(Section):
     dir: str = Field("results", description="parent folder of the run folders")
+    checkpoints: bool = Field(True, description="save server and client state every round, so `--resume` works")
 
 
 def build_scenario_model() -> type[BaseModel]:

@@ -7,14 +7,19 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedsim.checkpoint import client_dir, load_server, server_dir
 from fedsim.results import append_round, new_run_dir, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
 from fedsim.strategy import ScenarioStrategy
 from fedsim.wire import pack_model
 
 
-def run_server(grid: Grid, scenario, run_dir: Path, progress=None) -> dict:
-    """Drive all rounds on `grid`; returns the summary (also written to `run_dir/summary.json`)."""
+def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: bool = False) -> dict:
+    """Drive all rounds on `grid`; returns the summary (also written to `run_dir/summary.json`).
+
+    With `checkpoints`, server and client state are saved every round under `run_dir/checkpoint`,
+    and a run folder that already holds completed rounds is resumed after the last of them.
+    """
     rt = runtime_for(scenario)
     fed = scenario.federation
 
@@ -23,15 +28,41 @@ def run_server(grid: Grid, scenario, run_dir: Path, progress=None) -> dict:
         if progress is not None:
             progress(record)
 
-    strategy = ScenarioStrategy(rt, on_round=on_round)
+    strategy = ScenarioStrategy(rt, on_round=on_round, checkpoint_dir=server_dir(run_dir) if checkpoints else None)
+    done = prepare_resume(run_dir, strategy) if checkpoints else 0
+    if done >= fed.rounds:
+        return finish(run_dir, scenario, rt)
     strategy.discover_nodes(grid, timeout=fed.round_timeout)
     strategy.start(
         grid=grid,
         initial_arrays=pack_model(strategy.global_vec, rt.layout),
-        num_rounds=fed.rounds,
+        num_rounds=fed.rounds - done,
         timeout=fed.round_timeout,
         evaluate_fn=strategy.end_round,
     )
+    return finish(run_dir, scenario, rt)
+
+
+def prepare_resume(run_dir: Path, strategy: ScenarioStrategy) -> int:
+    """Load the newest checkpoint that has its rounds.jsonl line; drop anything later. Returns its round."""
+    rounds = read_rounds(run_dir)
+    last_line = max((r["round"] for r in rounds), default=0)
+    state = load_server(run_dir, at_most=last_line)
+    done = int(state["round"]) if state is not None else 0
+    if state is not None:
+        strategy.resume_from(state)
+    keep = [r for r in rounds if r["round"] <= done] if done else []  # nothing to resume: start afresh
+    if len(keep) != len(rounds):
+        (run_dir / "rounds.jsonl").unlink(missing_ok=True)
+        for r in keep:
+            append_round(run_dir, r)
+    for path in client_dir(server_dir(run_dir)).glob("*-r*.npz"):  # client state from unfinished rounds
+        if int(path.stem.rsplit("-r", 1)[1]) > done:
+            path.unlink()
+    return done
+
+
+def finish(run_dir: Path, scenario, rt) -> dict:
     extra = {"attackers": rt.attackers, "run_dir": str(run_dir)}
     if rt.attack is not None:
         extra["attack"] = rt.attack.report(rt)
@@ -40,7 +71,7 @@ def run_server(grid: Grid, scenario, run_dir: Path, progress=None) -> dict:
     return summary
 
 
-def make_server_app(scenario=None, run_dir: Path | None = None, progress=None) -> ServerApp:
+def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, checkpoints: bool = False) -> ServerApp:
     """A ServerApp for `scenario` (simulation), or reading it from the run config (deployment)."""
     from fedsim.deploy_config import scenario_from_context
 
@@ -49,6 +80,6 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None) -
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         scen = scenario if scenario is not None else scenario_from_context(context)
-        run_server(grid, scen, run_dir if run_dir is not None else new_run_dir(scen), progress)
+        run_server(grid, scen, run_dir if run_dir is not None else new_run_dir(scen), progress, checkpoints)
 
     return app

@@ -47,7 +47,10 @@ def backend_config(scenario, verbose: bool) -> dict:
 
 
 def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progress=None) -> Path:
-    """Run `scenario` on Ray-simulated clients; returns the run folder."""
+    """Run `scenario` on Ray-simulated clients; returns the run folder.
+
+    A `run_dir` that already holds completed rounds (and checkpoints) is resumed, not restarted.
+    """
     from flwr.simulation import run_simulation
 
     quiet_logs(verbose)
@@ -57,7 +60,7 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
     run_simulation(
-        server_app=make_server_app(scenario, run_dir, progress),
+        server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints),
         client_app=make_client_app(scenario),
         num_supernodes=scenario.federation.num_clients,
         backend_name="ray",

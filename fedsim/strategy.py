@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -21,6 +22,7 @@ from flwr.serverapp.strategy import Strategy
 
 from aggregators.base import AggregationError
 from attacks.schedules import sample_round
+from fedsim.checkpoint import save_server
 from fedsim.compression.base import PayloadError
 from fedsim.registry import AGGREGATORS, DEFENSES
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
@@ -37,8 +39,12 @@ def component_kwargs(spec) -> dict:
 
 
 class ScenarioStrategy(Strategy):
-    def __init__(self, runtime, on_round: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_dir: Path | None = None
+    ) -> None:
         self.rt = runtime
+        self.checkpoint_dir = checkpoint_dir  # set in simulation: server and client state saved per round
+        self.offset = 0  # rounds already completed before this start (a resumed run)
         self.scenario = runtime.scenario
         self.on_round = on_round or (lambda record: None)
         agg = self.scenario.aggregator
@@ -85,7 +91,19 @@ class ScenarioStrategy(Strategy):
             raise RuntimeError(f"no node holds partitions {missing[:10]}{'...' if len(missing) > 10 else ''}")
 
     # --- training round -----------------------------------------------------------------------
+    def resume_from(self, state: dict) -> None:
+        """Continue after the checkpointed round: its global model and defense states."""
+        self.offset = int(state["round"])
+        self.global_vec = state["global"].clone()
+        for name, defense in self.defenses:
+            defense.load_state_dict(state["defenses"].get(name, {}))
+
+    def checkpoint(self, rnd: int) -> None:
+        if self.checkpoint_dir is not None:
+            save_server(self.checkpoint_dir.parent, rnd, self.global_vec, {n: d.state_dict() for n, d in self.defenses})
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        server_round += self.offset
         self.t_round = time.perf_counter()
         fed = self.scenario.federation
         rng = numpy_rng(self.scenario.seed, SAMPLE, server_round)
@@ -110,6 +128,8 @@ class ScenarioStrategy(Strategy):
                 message_type=MessageType.TRAIN,
             )
             down += message_bytes(msg)
+            if self.checkpoint_dir is not None:  # simulation plumbing, not device traffic: not counted
+                msg.content["config"]["checkpoint-dir"] = str(self.checkpoint_dir)
             messages.append(msg)
         self.pending = {"round": server_round, "sampled": sampled, "attackers": strikers, "bytes_down": down}
         return messages
@@ -146,6 +166,7 @@ class ScenarioStrategy(Strategy):
         return rows, rejected, up, losses
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self.offset
         rows, rejected, up, losses = self._decode(replies)
         record = self.pending
         record.update({"bytes_up": up, "rejected": rejected, "defenses": {}, "skipped": None})
@@ -227,6 +248,9 @@ class ScenarioStrategy(Strategy):
         return out
 
     def end_round(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0 and self.offset:
+            return None  # a resumed run: round 0 was evaluated the first time
+        server_round += self.offset
         ev = self.scenario.evaluation
         last = server_round == self.scenario.federation.rounds
         if server_round == 0:
@@ -238,6 +262,8 @@ class ScenarioStrategy(Strategy):
         if server_round == 0 or server_round % ev.every == 0 or last:
             record.update(self.central_evaluate(server_round))
         record["wall_seconds"] = time.perf_counter() - self.t_round if server_round else 0.0
+        if server_round:
+            self.checkpoint(server_round)  # before the line: a written line always has its checkpoint
         self.on_round(record)
         metrics = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         return MetricRecord(metrics)

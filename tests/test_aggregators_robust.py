@@ -71,7 +71,8 @@ def flower_aggregate(strategy, updates: torch.Tensor, weights: torch.Tensor) -> 
     return flat(arrays.to_numpy_ndarrays())
 
 
-def legacy_results(updates: torch.Tensor, weights: torch.Tensor) -> list[tuple[list[np.ndarray], int]]:
+def legacy_results(updates: torch.Tensor, weights: torch.Tensor) -> list:
+    """The `results` list of (layers, num_examples) pairs that flwr's legacy helpers take."""
     return [(as_layers(row), int(w)) for row, w in zip(updates.numpy(), weights.tolist())]
 
 
@@ -89,7 +90,7 @@ def test_krum_matches_flower(n, f):
     updates, weights = make_updates(n, 30, seed=n * 10 + f)
     ours = krum(updates, weights, num_malicious=f)
     close(ours, flower_aggregate(flwr_strategy.Krum(num_malicious_nodes=f), updates, weights))
-    legacy = flwr_legacy.aggregate_krum(legacy_results(updates, weights), num_malicious=f, to_keep=0)
+    legacy = flwr_legacy.aggregate_krum(legacy_results(updates, weights), f, to_keep=0)
     close(ours, flat(legacy))
 
 
@@ -102,7 +103,7 @@ def test_multikrum_matches_flower(n, f):
     ours = multikrum(updates, weights, num_malicious=f)
     strategy = flwr_strategy.MultiKrum(num_malicious_nodes=f, num_nodes_to_select=m)
     close(ours, flower_aggregate(strategy, updates, weights))
-    legacy = flwr_legacy.aggregate_krum(legacy_results(updates, weights), num_malicious=f, to_keep=m)
+    legacy = flwr_legacy.aggregate_krum(legacy_results(updates, weights), f, to_keep=m)
     close(ours, flat(legacy))
 
     contents = [msg.content for msg in flower_replies(updates, weights)]
@@ -203,12 +204,11 @@ def slow_bulyan(rows: np.ndarray, f: int, selection: str) -> np.ndarray:
 
 def slow_trimmed_mean(rows: np.ndarray, k: int) -> np.ndarray:
     n = len(rows)
-    return np.array(
-        [statistics.fmean(sorted(float(v) for v in rows[:, c])[k : n - k]) for c in range(rows.shape[1])]
-    )
+    columns = [sorted(float(v) for v in rows[:, c]) for c in range(rows.shape[1])]
+    return np.array([statistics.fmean(column[k : n - k]) for column in columns])
 
 
-def slow_rfa(rows: np.ndarray, counts: np.ndarray, max_iter: int, nu: float, ftol: float) -> np.ndarray:
+def slow_rfa(rows: np.ndarray, counts: np.ndarray, max_iter: int, nu: float, ftol: float):
     """The RFA reference loop (as in the OOD_FL / DBA ports), in float64 numpy."""
     points = [r.astype(np.float64) for r in rows]
     alphas = counts.astype(np.float64) / counts.sum()
@@ -274,7 +274,8 @@ def test_pairwise_distances_match_loops_despite_large_common_offset():
     updates = updates * 1e-3 + 100.0
     rows = updates.numpy()
     expected = [[slow_sq_dist(rows[i], rows[j]) for j in range(6)] for i in range(6)]
-    np.testing.assert_allclose(pairwise_sq_distances(updates).numpy(), expected, rtol=1e-3, atol=1e-9)
+    ours = pairwise_sq_distances(updates).numpy()
+    np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-9)
 
 
 def test_column_blocks_do_not_change_results(monkeypatch):

@@ -1,0 +1,304 @@
+"""DETOX (Rajput, Wang, Charles, Papailiopoulos, NeurIPS 2019): majority vote in redundant groups,
+then a robust rule across the group winners.
+
+Every client of a group of r trains on the same data with the same seed, so honest members send
+bit-identical updates. A strict majority vote inside each group keeps the group honest unless
+more than half of it is Byzantine; the robust rule then runs on about n / r inputs instead of n,
+which is what makes the whole rule nearly linear in n for the quadratic rules (Multi-Krum, Bulyan).
+
+Conventions chosen where the paper and the official code (`hwang595/DETOX`, `draco_lite_master.py`,
+`util.group_assign`) differ or say nothing:
+
+- Groups: consecutive runs of r rows; the last group absorbs all leftover rows (the code's
+  `group_assign` absorbs one, and silently loses a worker when two are left over). Fewer rows
+  than r make one group. The caller may pass explicit `groups` (row indices) instead.
+- Vote: on the whole flattened update, not per layer as the code does, so a winner is always one
+  client's complete update. Equality is exact: rows are bucketed by a blake2b hash of their bytes
+  and confirmed with `torch.equal`, so a hash collision cannot merge different rows (NaN never
+  equals itself, so rows holding NaN never win). A strict majority of the group's actual members
+  (> len(group) / 2) is required; a group without one is dropped and logged. The code's
+  Boyer-Moore pass has no verification step and returns its last candidate even with no majority.
+- Winner weight: the smallest example count among the members that sent the winning update.
+  Honest members share one data batch, so this is that batch's count, and a Byzantine member
+  that joins a majority can lower its group's weight but never raise it.
+- Order of operations: the paper's Figure 1 (vote, optional mean inside super-groups of
+  `super_group_size` consecutive winners, then the robust `inner` rule across them). The code's
+  `coord-median` mode is this with random buckets; its `multi-krum` mode (robust rule on two
+  random halves, then their mean) and its `bulyan` mode (no bucketing) are not reproduced;
+  `bulyan` with `selection: krum_single_pass` and `super_group_size: null` is the latter's rule.
+  Super-group means are weighted by the winners' weights and weigh their total.
+- The inner rule's f is its own parameter: the worst case after the vote is
+  `effective_byzantine_groups(q, r)` = floor(q / ceil(r / 2)) (the code's `effective_s`).
+- `redundancy: false` is a degraded, "DETOX-style" hierarchical mode for clients that did not
+  share data: no vote, the example-count-weighted mean of each group, weighing the group's total,
+  then the inner rule across the groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field, SerializeAsAny, field_validator
+from scipy.stats import hypergeom
+
+from aggregators.base import AggregationError, check_inputs
+from fedsim.registry import AGGREGATORS, Params
+
+DEFAULT_INNER = "multikrum"
+
+
+# ---------------------------------------------------------------- groups
+
+
+def consecutive_groups(n: int, group_size: int) -> list[list[int]]:
+    """Groups of `group_size` consecutive rows; the last one absorbs the leftovers."""
+    if group_size < 1:
+        raise ValueError(f"detox: group_size must be >= 1, got {group_size}")
+    count = max(1, n // group_size)
+    groups = [list(range(g * group_size, (g + 1) * group_size)) for g in range(count - 1)]
+    return groups + [list(range((count - 1) * group_size, n))]
+
+
+def check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """The groups as lists, after checking that they put every row in exactly one group.
+
+    A wrong grouping is a caller bug, not a round to skip, hence ValueError and not
+    AggregationError.
+    """
+    groups = [[int(i) for i in group] for group in groups]
+    if not groups or any(not group for group in groups):
+        raise ValueError("detox: groups must be a non-empty list of non-empty groups")
+    flat = sorted(i for group in groups for i in group)
+    if flat != list(range(n)):
+        raise ValueError(f"detox: groups must hold every row index 0..{n - 1} exactly once, got {groups}")
+    return groups
+
+
+# ---------------------------------------------------------------- vote
+
+
+def row_digest(row: torch.Tensor) -> bytes:
+    """blake2b of the row's bytes: bit-identical rows share it, so agreeing rows are found in O(d)."""
+    data = row.detach().contiguous().cpu().view(torch.uint8).numpy()
+    return hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+
+
+def equality_classes(updates: torch.Tensor, members: Sequence[int]) -> list[list[int]]:
+    """The members split into sets of bit-identical rows, each set in member order.
+
+    The hash only buckets; `torch.equal` decides, so colliding distinct rows stay apart.
+    """
+    buckets: dict[bytes, list[list[int]]] = {}
+    classes: list[list[int]] = []
+    for i in members:
+        bucket = buckets.setdefault(row_digest(updates[i]), [])
+        match = next((c for c in bucket if torch.equal(updates[c[0]], updates[i])), None)
+        if match is None:
+            match = [i]
+            bucket.append(match)
+            classes.append(match)
+        else:
+            match.append(i)
+    return classes
+
+
+def majority_vote(
+    updates: torch.Tensor, groups: Sequence[Sequence[int]]
+) -> tuple[list[int | None], dict[str, Any]]:
+    """Per group, the first member whose exact update a strict majority sent, or None.
+
+    `info` says which groups were dropped and why, which rows were outvoted (sent something else
+    than their group's majority) and, per winner, the rows that voted for it.
+    """
+    winners: list[int | None] = []
+    dropped: list[dict[str, Any]] = []
+    outvoted: list[int] = []
+    voters: list[list[int]] = []
+    for g, members in enumerate(groups):
+        classes = equality_classes(updates, members)
+        largest = max(classes, key=len)  # ties go to the earlier class; a tie is no majority
+        if 2 * len(largest) > len(members):
+            winners.append(largest[0])
+            voters.append(largest)
+            outvoted.extend(i for i in members if i not in largest)
+        else:
+            winners.append(None)
+            voters.append([])
+            dropped.append({
+                "group": g,
+                "members": list(members),
+                "reason": f"no strict majority: largest agreeing set {len(largest)} of {len(members)}",
+            })
+    return winners, {"dropped": dropped, "outvoted": sorted(outvoted), "voters": voters}
+
+
+# ---------------------------------------------------------------- inner rule spec
+
+
+@functools.lru_cache(maxsize=None)
+def inner_spec_model(name: str) -> type[BaseModel]:
+    """The YAML model of one inner rule, built once per name (pydantic model creation is slow)."""
+    return AGGREGATORS.get(name).spec_model()
+
+
+def parse_inner(value: Any) -> BaseModel:
+    """An inner rule spec validated against the registry: `name` plus that rule's parameters.
+
+    A plain string is shorthand for `{name: ...}` and a mapping without `name` means Multi-Krum,
+    as for the scenario's own component sections.
+    """
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"inner must be a rule name or a mapping with `name`, got {value!r}")
+    name = value.get("name", DEFAULT_INNER)
+    allowed = [n for n in AGGREGATORS.names() if n != "detox"]
+    if name not in allowed:
+        why = "detox cannot nest itself" if name == "detox" else f"unknown inner aggregator {name!r}"
+        raise ValueError(f"{why}; allowed: {', '.join(allowed)}")
+    return inner_spec_model(name).model_validate({**value, "name": name})
+
+
+def inner_kwargs(spec: BaseModel) -> dict[str, Any]:
+    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
+
+
+# ---------------------------------------------------------------- parameters
+
+
+class DetoxParams(Params):
+    group_size: int = Field(3, ge=1, description="r, clients per redundant group (odd)")
+    inner: SerializeAsAny[BaseModel] = Field(
+        default_factory=lambda: parse_inner(DEFAULT_INNER),
+        description="robust rule across the group winners: {name: <aggregator>, <its params>}",
+    )
+    super_group_size: int | None = Field(
+        None, ge=1, description="average this many consecutive winners before the inner rule; none: no averaging"
+    )
+    redundancy: bool = Field(
+        True, description="true: majority vote in groups of identical-data clients; false: group means"
+    )
+
+    @field_validator("group_size")
+    @classmethod
+    def _odd(cls, value: int) -> int:
+        if value % 2 == 0:
+            raise ValueError(f"group_size must be odd so that a strict majority exists, got {value}")
+        return value
+
+    @field_validator("inner", mode="before")
+    @classmethod
+    def _inner_from_registry(cls, value: Any) -> BaseModel:
+        return parse_inner(value)
+
+
+# ---------------------------------------------------------------- rule
+
+
+def effective_byzantine_groups(q: int, r: int) -> int:
+    """Most groups q Byzantine clients can win in groups of r: floor(q / ceil(r / 2))."""
+    return q // math.ceil(r / 2)
+
+
+def expected_bad_groups(P: int, q: int, r: int) -> float:
+    """Expected groups won by q Byzantines placed uniformly at random among P clients (r | P).
+
+    Each group is a uniform r-subset, so by linearity: (P / r) * P[Hypergeom(P, q, r) > r / 2].
+    """
+    return (P // r) * float(hypergeom(P, q, r).sf(r // 2))
+
+
+def weighted_group_means(
+    rows: torch.Tensor, weights: torch.Tensor, groups: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[g, d] example-count-weighted mean of each group's rows, and [g] each group's total weight."""
+    means, totals = [], []
+    for members in groups:
+        idx = torch.tensor(members, dtype=torch.long)
+        total = weights[idx].sum()
+        if not torch.isfinite(total) or total <= 0:
+            raise AggregationError(f"detox: group {list(members)} has total weight {float(total)}")
+        means.append((weights[idx] / total).to(rows.dtype) @ rows[idx])
+        totals.append(total)
+    return torch.stack(means), torch.stack(totals)
+
+
+def vote_winners(
+    updates: torch.Tensor, weights: torch.Tensor, groups: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """[k, d] the surviving groups' winning rows, [k] their weights (least voter weight), info."""
+    winners, info = majority_vote(updates, groups)
+    kept = [(w, voters) for w, voters in zip(winners, info["voters"]) if w is not None]
+    if not kept:
+        raise AggregationError(
+            f"detox: the vote dropped all {len(groups)} groups (no strict majority in any)"
+        )
+    rows = updates[torch.tensor([w for w, _ in kept], dtype=torch.long)]
+    row_weights = torch.stack([weights[torch.tensor(v, dtype=torch.long)].min() for _, v in kept])
+    return rows, row_weights, info
+
+
+def detox_with_info(
+    updates: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    groups: Sequence[Sequence[int]] | None = None,
+    group_size: int = 3,
+    inner: Any = DEFAULT_INNER,
+    super_group_size: int | None = None,
+    redundancy: bool = True,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """DETOX's aggregate and a JSON-friendly record of the vote, for the round log."""
+    check_inputs(updates, weights)
+    spec = parse_inner(inner)
+    groups = check_groups(groups, updates.shape[0]) if groups is not None else consecutive_groups(
+        updates.shape[0], group_size
+    )
+    if redundancy:
+        rows, row_weights, info = vote_winners(updates, weights, groups)
+    else:
+        rows, row_weights = weighted_group_means(updates, weights, groups)
+        info = {"dropped": [], "outvoted": [], "voters": []}
+    survivors = rows.shape[0]
+    if super_group_size is not None:
+        rows, row_weights = weighted_group_means(rows, row_weights, consecutive_groups(survivors, super_group_size))
+    info.update(groups=len(groups), surviving_groups=survivors, inner_inputs=rows.shape[0], inner=spec.name)
+    try:
+        out = AGGREGATORS.get(spec.name).obj(rows, row_weights, **inner_kwargs(spec))
+    except AggregationError as err:
+        raise AggregationError(
+            f"detox: inner rule {spec.name} failed on {rows.shape[0]} inputs from {survivors} surviving "
+            f"groups of {len(groups)}: {err}"
+        ) from err
+    return out, info
+
+
+@AGGREGATORS.register("detox", DetoxParams)
+def detox(
+    updates: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    groups: Sequence[Sequence[int]] | None = None,
+    group_size: int = 3,
+    inner: Any = DEFAULT_INNER,
+    super_group_size: int | None = None,
+    redundancy: bool = True,
+) -> torch.Tensor:
+    """DETOX: majority vote inside redundant client groups, then a robust rule across groups."""
+    out, _ = detox_with_info(
+        updates,
+        weights,
+        groups=groups,
+        group_size=group_size,
+        inner=inner,
+        super_group_size=super_group_size,
+        redundancy=redundancy,
+    )
+    return out
