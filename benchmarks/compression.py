@@ -13,6 +13,7 @@ digits set scikit-learn ships. Asserts nothing about time.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -134,6 +135,7 @@ def main() -> None:
                   f"{base_wire / m['wire']:>11.1f}{m['err']:>9.3f}{m['secs'] * 1e3:>12.1f}{100 * m['secs'] / epoch_s:>9.1f}")
 
     if args.accuracy:
+        logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower prints every round's metrics
         print("\nquickstart (digits MLP, 5 rounds, default min_size keeps the 64x10 layer raw)")
         print(f"{'codec':<32}{'accuracy':>10}{'backdoor':>10}{'bytes up':>12}")
         for name, params in CODECS:

@@ -143,6 +143,53 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    import subprocess
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fedsim.report import markdown_table, write_report
+    from fedsim.sweep import expand, is_done, prepare, sweep_dir
+
+    name, runs = expand(args.file, args.set)
+    folder = sweep_dir(name, runs, args.output)
+    todo = [r for r in runs if not is_done(folder / r.name)]
+    console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}")
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
+        if args.jobs > 1:  # separate processes, each its own Ray instance
+            pending = list(todo)
+            active: list[tuple[subprocess.Popen, str]] = []
+            while pending or active:
+                while pending and len(active) < args.jobs:
+                    run = pending.pop(0)
+                    cmd = [sys.executable, "-m", "fedsim.cli", "run", "--resume", str(prepare(run, folder))]
+                    active.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), run.name))
+                for proc, rname in list(active):
+                    if proc.poll() is not None:
+                        active.remove((proc, rname))
+                        progress.update(overall, advance=1, status=f"{rname}: {'ok' if proc.returncode == 0 else 'FAILED'}")
+                import time as _time
+
+                _time.sleep(0.5)
+        else:
+            from fedsim.simulation import simulate
+
+            current = progress.add_task("current", total=1, status="")
+            for run in todo:
+                progress.reset(current, total=run.scenario.federation.rounds, description=run.name[:40], status="")
+                simulate(
+                    run.scenario, run_dir=prepare(run, folder), verbose=args.verbose,
+                    progress=lambda r, t=current: progress.update(t, completed=r["round"]),
+                )
+                progress.update(overall, advance=1)
+    path = write_report([folder], folder / "report")
+    console.print(markdown_table([folder / r.name for r in runs if is_done(folder / r.name)]), markup=False, highlight=False)
+    console.print(f"report: {path}")
+    return 0 if all(is_done(folder / r.name) for r in runs) else 1
+
+
 def cmd_report(args) -> int:
     from fedsim.report import find_runs, markdown_table, write_report
 
@@ -168,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("file", type=Path)
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     val.set_defaults(func=cmd_validate)
+
+    swp = sub.add_parser("sweep", help="run every combination of a scenario's `sweep:` grid, skipping finished runs")
+    swp.add_argument("file", type=Path)
+    swp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    swp.add_argument("--output", type=Path, default=None, help="parent folder (default: output.dir)")
+    swp.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    swp.add_argument("--verbose", action="store_true")
+    swp.set_defaults(func=cmd_sweep)
 
     rep = sub.add_parser("report", help="markdown table and plots from run folders")
     rep.add_argument("dirs", type=Path, nargs="+", help="run folders, or folders holding run folders")

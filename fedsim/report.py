@@ -28,6 +28,20 @@ def run_label(run: Path) -> str:
     return run.name
 
 
+def swept_values(run: Path) -> dict:
+    """The swept keys and values of a run that belongs to a sweep (empty otherwise)."""
+    path = run / "sweep.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _short(value) -> str:
+    if isinstance(value, dict):
+        return value.get("name", json.dumps(value))
+    if isinstance(value, list):
+        return "+".join(_short(v) for v in value) or "none"
+    return str(value)
+
+
 def run_row(run: Path) -> dict:
     rounds = read_rounds(run)
     acc = [r["main_accuracy"] for r in rounds if r.get("main_accuracy") is not None]
@@ -50,17 +64,60 @@ def _pct(v) -> str:
 
 
 def markdown_table(runs: list[Path]) -> str:
+    """One row per run; runs of a sweep get a column per swept key."""
+    keys = sorted({k for run in runs for k in swept_values(run)})
     lines = [
-        "| run | rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % | MB up | s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | " + "".join(f"{k} | " for k in keys)
+        + "rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % | MB up | s |",
+        "|---|" + "---|" * len(keys) + "---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
-        r = run_row(run)
+        r, swept = run_row(run), swept_values(run)
         lines.append(
-            f"| {r['run']} | {r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
+            f"| {r['run']} | " + "".join(f"{_short(swept.get(k, '-'))} | " for k in keys)
+            + f"{r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
             f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def plot_heatmap(runs: list[Path], out: Path, metric: str = "peak_backdoor") -> Path | None:
+    """`metric` over the first two swept keys (averaged over the others, e.g. seeds)."""
+    keys = sorted({k for run in runs for k in swept_values(run)})
+    if len(keys) < 2:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    kx, ky = keys[0], keys[1]
+    cells: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        sw, value = swept_values(run), run_row(run)[metric]
+        if value is not None:
+            cells.setdefault((_short(sw.get(ky)), _short(sw.get(kx))), []).append(value)
+    rows = sorted({r for r, _ in cells})
+    cols = sorted({c for _, c in cells})
+    grid = np.full((len(rows), len(cols)), np.nan)
+    for (r, c), vals in cells.items():
+        grid[rows.index(r), cols.index(c)] = float(np.mean(vals))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(cols), 1.2 + 0.6 * len(rows)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis")
+    ax.set_xticks(range(len(cols)), cols, rotation=30, ha="right")
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set(xlabel=kx, ylabel=ky, title=metric.replace("_", " "))
+    for i in range(len(rows)):
+        for j in range(len(cols)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w" if grid[i, j] < 0.6 else "k")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    path = out / f"heatmap_{metric}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_curves(runs: list[Path], out: Path) -> list[Path]:
@@ -117,6 +174,9 @@ def write_report(paths: list[Path], out: Path) -> Path:
         raise FileNotFoundError(f"no run folders (with rounds.jsonl) under {', '.join(map(str, paths))}")
     out.mkdir(parents=True, exist_ok=True)
     plots = plot_curves(runs, out) + [plot_bytes_vs_accuracy(runs, out)]
+    heat = plot_heatmap(runs, out)
+    if heat is not None:
+        plots.append(heat)
     text = "# fedsim report\n\n" + markdown_table(runs) + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in plots)
     (out / "report.md").write_text(text)
     return out / "report.md"

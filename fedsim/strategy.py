@@ -33,6 +33,22 @@ from fedsim.wire import message_bytes, pack_model, unpack_payload
 log = logging.getLogger("fedsim")
 
 
+def rows_to_clients(info: dict, client_ids: tuple[int, ...]) -> dict:
+    """An aggregator's report with row indices replaced by client ids (for rounds.jsonl)."""
+    def ids(rows):
+        return [client_ids[i] for i in rows]
+
+    out = dict(info)
+    for key in ("selected", "outvoted"):
+        if key in out:
+            out[key] = ids(out[key])
+    if "voters" in out:
+        out["voters"] = [ids(v) for v in out["voters"]]
+    if "dropped" in out:
+        out["dropped"] = [{**d, "members": ids(d["members"])} for d in out["dropped"]]
+    return out
+
+
 def component_kwargs(spec) -> dict:
     """A component spec's parameters as keyword arguments (its `name` dropped)."""
     return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
@@ -117,9 +133,12 @@ class ScenarioStrategy(Strategy):
         # what Attack of the Tails' replacement attacker is assumed to know: the round's total data
         total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
         model_record = pack_model(self.global_vec, self.rt.layout)
+        groups, shard_of = self._groups(sampled)
         messages, down = [], 0
         for pid in sampled:
             cfg = {"server-round": server_round, "lr": self.rt.lr(server_round)}
+            if pid in shard_of:
+                cfg["data-partition"] = shard_of[pid]
             if pid in strikers and self.rt.attack.side == "client":
                 cfg["round_total_examples"] = total_examples
             msg = Message(
@@ -132,7 +151,23 @@ class ScenarioStrategy(Strategy):
                 msg.content["config"]["checkpoint-dir"] = str(self.checkpoint_dir)
             messages.append(msg)
         self.pending = {"round": server_round, "sampled": sampled, "attackers": strikers, "bytes_down": down}
+        if groups:
+            self.pending["groups"] = groups
         return messages
+
+    def _groups(self, sampled: list[int]) -> tuple[list[list[int]], dict[int, int]]:
+        """For group-based rules (DETOX): consecutive groups of r sampled clients and, with
+        redundancy, the shard each member trains on (its group's first member's), so honest
+        members of a group compute bit-identical updates."""
+        spec = self.scenario.aggregator
+        if not getattr(self.aggregate_rule, "needs_groups", False):
+            return [], {}
+        r = spec.group_size
+        starts = list(range(0, max(len(sampled) - r + 1, 1), r))
+        groups = [sampled[s : s + r] for s in starts]
+        groups[-1] = sampled[starts[-1] :]  # the last group absorbs the leftovers
+        shard_of = {p: g[0] for g in groups for p in g} if spec.redundancy else {}
+        return groups, shard_of
 
     def _decode(self, replies: Iterable[Message]) -> tuple[list, dict, int, dict]:
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
@@ -192,11 +227,7 @@ class ScenarioStrategy(Strategy):
                 record["defenses"].setdefault(name, {}).update(info)
                 if batch.updates.shape[0] == 0:
                     raise AggregationError(f"defense {name} removed every update")
-            aggregate = self.aggregate_rule(batch.updates, batch.weights, **self.aggregate_kwargs)
-            select = getattr(self.aggregate_rule, "select", None)  # rules that pick rows (Krum) say which
-            if select is not None:
-                chosen = select(batch.updates, batch.weights, **self.aggregate_kwargs)
-                record["selected"] = [batch.client_ids[i] for i in chosen.tolist()]
+            aggregate = self._aggregate(batch, record)
             for name, defense in self.defenses:
                 aggregate, info = defense.after(aggregate, ctx)
                 record["defenses"].setdefault(name, {}).update(info)
@@ -208,6 +239,20 @@ class ScenarioStrategy(Strategy):
         self.global_vec = self.global_vec + aggregate
         record["global_norm"] = float(torch.linalg.vector_norm(self.global_vec))
         return pack_model(self.global_vec, self.rt.layout), MetricRecord({"num-updates": len(rows)})
+
+    def _aggregate(self, batch: UpdateBatch, record: dict) -> torch.Tensor:
+        """Run the rule; rules that pick or vote (Krum, DETOX) also report which clients, by id."""
+        rule, kwargs = self.aggregate_rule, dict(self.aggregate_kwargs)
+        if getattr(rule, "needs_groups", False):
+            row_of = {pid: i for i, pid in enumerate(batch.client_ids)}
+            groups = [[row_of[p] for p in group if p in row_of] for group in record["groups"]]
+            kwargs["groups"] = [g for g in groups if g]
+        with_info = getattr(rule, "with_info", None)
+        if with_info is None:
+            return rule(batch.updates, batch.weights, **kwargs)
+        aggregate, info = with_info(batch.updates, batch.weights, **kwargs)
+        record["aggregator"] = rows_to_clients(info, batch.client_ids)
+        return aggregate
 
     def _server_attack(self, batch: UpdateBatch, strikers: set, ctx: RoundContext) -> UpdateBatch:
         attack = self.rt.attack

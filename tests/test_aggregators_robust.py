@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app.message import arrayrecord as flwr_arrayrecord
 from flwr.app.metadata import Metadata
 from flwr.server.strategy import aggregate as flwr_legacy
 from flwr.serverapp import strategy as flwr_strategy
@@ -64,6 +65,14 @@ def flower_replies(updates: torch.Tensor, weights: torch.Tensor) -> list[Message
         )
         replies.append(Message(content=content, metadata=meta))
     return replies
+
+
+@pytest.fixture
+def no_flower_gc(monkeypatch):
+    """Flower's ArrayRecord.to_numpy_ndarrays(keep_input=False), used by its Bulyan, calls
+    gc.collect() per record (~0.2 s each in a process holding torch): memory housekeeping, not
+    aggregation, so skip it to keep this file fast."""
+    monkeypatch.setattr(flwr_arrayrecord.gc, "collect", lambda *args: 0)
 
 
 def flower_aggregate(strategy, updates: torch.Tensor, weights: torch.Tensor) -> np.ndarray:
@@ -135,7 +144,7 @@ def test_trimmed_mean_matches_flower(n, beta):
 
 
 @pytest.mark.parametrize("n,f", [(5, 0), (7, 1), (11, 2), (13, 2), (16, 3)])
-def test_bulyan_matches_both_flower_versions(n, f):
+def test_bulyan_matches_both_flower_versions(n, f, no_flower_gc):
     # The paper's iterative Krum selection is the legacy flwr aggregate_bulyan; the newer
     # serverapp Bulyan selects the n - 2f lowest scores of one pass: our selection="multikrum".
     updates, weights = make_updates(n, 30, seed=100 + n)
@@ -148,7 +157,7 @@ def test_bulyan_matches_both_flower_versions(n, f):
     close(bulyan(updates, weights, num_malicious=f, selection="multikrum"), serverapp)
 
 
-def test_bulyan_selection_variants_really_differ():
+def test_bulyan_selection_variants_really_differ(no_flower_gc):
     """Guard that the Flower comparison above can tell the two selections apart."""
     updates, weights = make_updates(11, 30, seed=7)
     updates[:3] += 4.0  # a loose cluster: iterative Krum and one-pass ranking disagree on it
@@ -302,7 +311,13 @@ def run_with_defaults(entry, updates, weights, **overrides):
 # max(1, n' - f - 2) neighbours; with one neighbour the two mutually nearest survivors always tie
 # and, as in Flower, the lower index wins. That happens whenever f <= 2, so the order-free check
 # uses f = 3 (n' - f - 2 >= 2 down to the last step). The one-pass selections are checked too.
-PERMUTATION_CASES = [(name, {}) for name in AGGREGATORS.names() if name != "bulyan"] + [
+# Rules whose groups are positions in the batch by definition: not expected to be order-free.
+# DETOX votes inside groups of consecutive rows (clients that trained on the same data).
+POSITIONAL_RULES = {"detox"}
+
+PERMUTATION_CASES = [
+    (name, {}) for name in AGGREGATORS.names() if name not in POSITIONAL_RULES | {"bulyan"}
+] + [
     ("bulyan", {"num_malicious": 3}),
     ("bulyan", {"num_malicious": 1, "selection": "multikrum"}),
     ("bulyan", {"num_malicious": 1, "selection": "krum_single_pass"}),
@@ -387,6 +402,8 @@ def test_every_registered_rule_runs_from_default_params(name):
     entry = AGGREGATORS.get(name)
     for n in (12, 15):
         updates, weights = make_updates(n, 50, seed=1000 + n)
+        if name in POSITIONAL_RULES:  # redundant groups of 3 send bit-identical updates
+            updates = updates[torch.arange(n) // 3 * 3]
         try:
             out = run_with_defaults(entry, updates, weights)
         except AggregationError:

@@ -442,11 +442,11 @@ def run(tmp_path, overrides):
 
 
 def test_run_with_topk_uploads_far_fewer_bytes(tmp_path):
-    plain, _ = run(tmp_path / "none", ["compression=none"])
+    plain, _ = run(tmp_path / "none", ["compression=none", "federation.rounds=1"])  # 5 float32 uploads a round
     sparse, summary = run(tmp_path / "topk", ["compression={name: topk, fraction: 0.05}"])
     assert summary["rounds_completed"] == 3
-    assert all(not r["rejected"] for r in sparse)
-    assert sum(r["bytes_up"] for r in sparse) < 0.35 * sum(r["bytes_up"] for r in plain)
+    assert all(not r["rejected"] and len(r["aggregated"]) == 5 for r in sparse)
+    assert max(r["bytes_up"] for r in sparse) < 0.35 * plain[0]["bytes_up"]  # measured: about 0.24
 
 
 def test_run_with_powersgd_an_attack_and_clipping(tmp_path):

@@ -53,3 +53,29 @@ def test_server_side_attacks_replace_the_malicious_rows(tmp_path, attack):
     for r in rounds:
         assert len(r["attackers"]) == 2 and r["skipped"] is None
         assert r["backdoor_success"] is None  # untargeted: no backdoor metric
+
+
+def test_detox_redundant_groups_vote_out_minority_attackers(tmp_path):
+    rounds, summary = run(tmp_path, [
+        "federation.num_clients=20", "federation.clients_per_round=15",
+        "aggregator={name: detox, group_size: 3, inner: {name: median}}",
+        "attack={name: alie, num_attackers: 4, schedule: {name: fixed_pool}}",
+    ])
+    assert summary["rounds_completed"] == 3
+    for r in rounds:
+        attackers = set(r["attackers"])
+        vote = r["aggregator"]
+        assert len(r["groups"]) == 5 and sorted(sum(r["groups"], [])) == r["sampled"]
+        for group, voters in zip(r["groups"], vote["voters"]):
+            bad = attackers & set(group)
+            if len(bad) <= 1:  # honest majority: the honest members agree bit for bit and win
+                assert set(voters) == set(group) - bad
+            else:  # two attackers of three send the same ALIE vector and win the group
+                assert set(voters) == bad
+        assert set(vote["outvoted"]) <= set(r["sampled"])
+
+
+def test_detox_without_redundancy_is_group_mean_then_robust_rule(tmp_path):
+    rounds, summary = run(tmp_path, ["aggregator={name: detox, group_size: 3, redundancy: false, inner: median}"])
+    assert summary["rounds_completed"] == 3
+    assert all(r["aggregator"]["outvoted"] == [] and r["aggregator"]["surviving_groups"] == 2 for r in rounds)

@@ -145,7 +145,7 @@ class TensorCodec(Codec):
             else:
                 raw.append(x.reshape(-1))
         if raw:
-            payload["raw"] = torch.cat(raw).numpy().copy()
+            payload["raw"] = torch.cat(raw).numpy()
         if self.params.error_feedback:
             state[RESIDUAL] = (p - self.decode(payload, layout)).numpy()
         return payload, state

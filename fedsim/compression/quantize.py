@@ -113,7 +113,7 @@ class SignParams(CodecParams):
 
 @COMPRESSORS.register("sign", SignParams)
 class Sign(TensorCodec):
-    """Scaled sign (EF-SignSGD): 1 bit per entry and the per-tensor scale ||p||_1 / d."""
+    """Scaled sign (EF-SignSGD): 1 bit per entry and one scale per tensor, the mean absolute value."""
 
     def encode_tensor(self, i, x, state, ctx):
         flat = x.reshape(-1)

@@ -1,0 +1,105 @@
+"""Sweeps: one scenario file with a `sweep:` section expands into a grid of runs.
+
+```yaml
+name: tails_grid
+...                                   # any scenario
+sweep:
+  attack.mode: [blackbox, pgd_replacement]
+  defenses: [[], [{name: norm_clipping, delta: 1.0}]]
+  seed: [0, 1]
+```
+
+Every combination is validated before anything runs. Runs live in `<output.dir>/<name>/<run
+name>/` with names made from the swept values, so a rerun of the sweep skips finished runs
+(`summary.json` present) and resumes interrupted ones from their checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedsim.scenario import ScenarioError, apply_overrides, dump_scenario, read_yaml, validate_scenario
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    name: str
+    values: dict[str, Any]  # swept key -> value
+    scenario: Any
+
+
+def _token(value: Any) -> str:
+    """A short, file-name-safe rendering of a swept value."""
+    if isinstance(value, dict):
+        text = value.get("name", json.dumps(value, sort_keys=True))
+        extra = {k: v for k, v in value.items() if k != "name"}
+        if extra:
+            text += "-" + "-".join(f"{k}{_token(v)}" for k, v in sorted(extra.items()))
+    elif isinstance(value, list):
+        text = "+".join(_token(v) for v in value) or "none"
+    else:
+        text = str(value)
+    return re.sub(r"[^A-Za-z0-9_.+-]", "", text)[:60]
+
+
+def _set(raw: dict, key: str, value: Any) -> None:
+    """Set a dotted key to a (structured) value, like `--set` does for text values."""
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if isinstance(node.get(part), str):
+            node[part] = {"name": node[part]}
+        node = node.setdefault(part, {})
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def expand(path: str | Path, overrides: list[str] | None = None) -> tuple[str, list[SweepRun]]:
+    """The sweep's name and its runs, each validated; all problems are reported together."""
+    raw = read_yaml(path)
+    if not isinstance(raw, dict) or not isinstance(raw.get("sweep"), dict) or not raw["sweep"]:
+        raise ScenarioError(str(path), [("sweep", "a sweep file needs a `sweep:` mapping of KEY: [values]", raw.get("sweep") if isinstance(raw, dict) else raw)])
+    grid = raw.pop("sweep")
+    bad = [(f"sweep.{k}", "each swept key needs a non-empty list of values", v) for k, v in grid.items() if not isinstance(v, list) or not v]
+    if bad:
+        raise ScenarioError(str(path), bad)
+    raw = apply_overrides(raw, list(overrides or []))
+    keys = list(grid)
+    runs, problems = [], []
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        this = copy.deepcopy(raw)
+        for k, v in values.items():
+            _set(this, k, v)
+        name = "__".join(f"{k.split('.')[-1]}={_token(v)}" for k, v in values.items())
+        this["name"] = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:150]
+        try:
+            runs.append(SweepRun(this["name"], values, validate_scenario(this, f"{path} [{name}]")))
+        except ScenarioError as err:
+            problems += [(f"[{name}] {p}", m, v) for p, m, v in err.problems]
+    if problems:
+        raise ScenarioError(str(path), problems)
+    return str(raw.get("name", Path(path).stem)), runs
+
+
+def sweep_dir(name: str, runs: list[SweepRun], parent: str | Path | None) -> Path:
+    base = Path(parent if parent is not None else runs[0].scenario.output.dir)
+    return base / name
+
+
+def prepare(run: SweepRun, folder: Path) -> Path:
+    """The run's folder, with its resolved scenario (kept if already there: it may be resumed)."""
+    run_dir = folder / run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "scenario.yaml").write_text(dump_scenario(run.scenario))
+    (run_dir / "sweep.json").write_text(json.dumps(run.values, sort_keys=True) + "\n")
+    return run_dir
+
+
+def is_done(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").exists()
