@@ -149,7 +149,7 @@ def cmd_sweep(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fedsim.report import markdown_table, write_report
-    from fedsim.sweep import expand, is_done, prepare, sweep_dir
+    from fedsim.sweep import expand, is_done, prepare, run_sweep, sweep_dir
 
     name, runs = expand(args.file, args.set)
     folder = sweep_dir(name, runs, args.output)
@@ -177,15 +177,16 @@ def cmd_sweep(args) -> int:
             from fedsim.simulation import simulate
 
             current = progress.add_task("current", total=1, status="")
-            for run in todo:
-                progress.reset(current, total=run.scenario.federation.rounds, description=run.name[:40], status="")
-                simulate(
-                    run.scenario, run_dir=prepare(run, folder), verbose=args.verbose,
-                    progress=lambda r, t=current: progress.update(t, completed=r["round"]),
-                )
+
+            def runner(scenario, run_dir):
+                progress.reset(current, total=scenario.federation.rounds, description=scenario.name[:40], status="")
+                simulate(scenario, run_dir=run_dir, verbose=args.verbose,
+                         progress=lambda r: progress.update(current, completed=r["round"]))
                 progress.update(overall, advance=1)
+
+            run_sweep(folder, runs, runner)
     path = write_report([folder], folder / "report")
-    console.print(markdown_table([folder / r.name for r in runs if is_done(folder / r.name)]), markup=False, highlight=False)
+    print(markdown_table([folder / r.name for r in runs if is_done(folder / r.name)]))
     console.print(f"report: {path}")
     return 0 if all(is_done(folder / r.name) for r in runs) else 1
 
@@ -194,7 +195,7 @@ def cmd_report(args) -> int:
     from fedsim.report import find_runs, markdown_table, write_report
 
     path = write_report(args.dirs, args.out)
-    console.print(markdown_table(find_runs(args.dirs)), markup=False, highlight=False)
+    print(markdown_table(find_runs(args.dirs)))
     console.print(f"report: {path}")
     return 0
 

@@ -9,7 +9,10 @@ sweep:
   seed: [0, 1]
 ```
 
-Every combination is validated before anything runs. Runs live in `<output.dir>/<name>/<run
+A sweep file may start from another scenario with `base: relative/path.yaml`; its own keys are
+merged over the base (mappings key by key, except that a component mapping with a different
+`name` replaces the base's; everything else is replaced). Every combination is
+validated before anything runs. Runs live in `<output.dir>/<name>/<run
 name>/` with names made from the swept values, so a rerun of the sweep skips finished runs
 (`summary.json` present) and resumes interrupted ones from their checkpoints.
 """
@@ -59,9 +62,24 @@ def _set(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = copy.deepcopy(value)
 
 
+def deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        both_maps = isinstance(value, dict) and isinstance(out.get(key), dict)
+        renamed = both_maps and "name" in value and out[key].get("name") != value["name"]
+        if both_maps and not renamed:  # merge; a mapping naming another component replaces the base's
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def expand(path: str | Path, overrides: list[str] | None = None) -> tuple[str, list[SweepRun]]:
     """The sweep's name and its runs, each validated; all problems are reported together."""
     raw = read_yaml(path)
+    if isinstance(raw, dict) and "base" in raw:
+        base_path = Path(path).parent / str(raw.pop("base"))
+        raw = deep_merge(read_yaml(base_path), raw)
     if not isinstance(raw, dict) or not isinstance(raw.get("sweep"), dict) or not raw["sweep"]:
         raise ScenarioError(str(path), [("sweep", "a sweep file needs a `sweep:` mapping of KEY: [values]", raw.get("sweep") if isinstance(raw, dict) else raw)])
     grid = raw.pop("sweep")
@@ -103,3 +121,20 @@ def prepare(run: SweepRun, folder: Path) -> Path:
 
 def is_done(run_dir: Path) -> bool:
     return (run_dir / "summary.json").exists()
+
+
+def run_sweep(folder: Path, runs: list[SweepRun], runner, on_done=None) -> list[Path]:
+    """Run every unfinished run with `runner(scenario, run_dir)`, in order; returns all run folders.
+
+    An unfinished folder is handed to the runner as it is, so the runner resumes it from its
+    checkpoints; a finished one (summary.json) is skipped.
+    """
+    dirs = []
+    for run in runs:
+        run_dir = folder / run.name
+        if not is_done(run_dir):
+            runner(run.scenario, prepare(run, folder))
+        dirs.append(run_dir)
+        if on_done is not None:
+            on_done(run)
+    return dirs

@@ -354,6 +354,18 @@ def test_krum_never_picks_far_outliers(n, f):
             assert torch.all(out >= honest.min(0).values) and torch.all(out <= honest.max(0).values)
 
 
+def test_selection_rules_never_pick_non_finite_rows():
+    updates, weights = make_updates(11, 25, seed=42)
+    updates[3, 5] = float("nan")
+    updates[8] = float("inf")
+    bad = {3, 8}
+    assert int(torch.argmin(krum_scores(updates, 2))) not in bad
+    assert not set(multikrum_select(updates, 2).tolist()) & bad
+    assert not set(bulyan_select(updates, 2).tolist()) & bad
+    for rule in (krum, multikrum, bulyan):
+        assert torch.isfinite(rule(updates, weights, 2)).all()
+
+
 @pytest.mark.parametrize("n,f", [(11, 5), (10, 4), (3, 1)])
 def test_median_stays_within_honest_range(n, f):
     updates, weights = make_updates(n, 50, seed=800 + n)
