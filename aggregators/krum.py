@@ -72,8 +72,14 @@ class KrumParams(Params):
 @AGGREGATORS.register("krum", KrumParams)
 def krum(updates: torch.Tensor, weights: torch.Tensor, num_malicious: int = 1) -> torch.Tensor:
     """The single update with the lowest Krum score (Blanchard et al. 2017)."""
+    return krum_with_info(updates, weights, num_malicious)[0]
+
+
+def krum_with_info(updates: torch.Tensor, weights: torch.Tensor, num_malicious: int = 1) -> tuple[torch.Tensor, dict]:
+    """Krum's output and which row it picked (for the round log)."""
     check_inputs(updates, weights)
-    return updates[int(torch.argmin(krum_scores(updates, num_malicious)))].clone()
+    best = int(torch.argmin(krum_scores(updates, num_malicious)))
+    return updates[best].clone(), {"selected": [best]}
 
 
 class MultiKrumParams(Params):
@@ -91,10 +97,21 @@ def multikrum(
     num_selected: int | None = None,
 ) -> torch.Tensor:
     """Example-count-weighted mean of the m lowest Krum scores (m = n - f by default)."""
+    return multikrum_with_info(updates, weights, num_malicious, num_selected)[0]
+
+
+def multikrum_with_info(
+    updates: torch.Tensor, weights: torch.Tensor, num_malicious: int = 1, num_selected: int | None = None
+) -> tuple[torch.Tensor, dict]:
+    """Multi-Krum's output and the rows it averaged (for the round log)."""
     check_inputs(updates, weights)
     chosen = multikrum_select(updates, num_malicious, num_selected)
     chosen_weights = weights[chosen]
     total = chosen_weights.sum()
     if not torch.isfinite(total) or total <= 0:
         raise AggregationError(f"multikrum needs positive total weight, got {float(total)}")
-    return (chosen_weights / total).to(updates.dtype) @ updates[chosen]
+    return (chosen_weights / total).to(updates.dtype) @ updates[chosen], {"selected": sorted(chosen.tolist())}
+
+
+krum.with_info = krum_with_info  # the strategy logs the selection by client id
+multikrum.with_info = multikrum_with_info

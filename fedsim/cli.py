@@ -40,8 +40,17 @@ def round_table(rounds: list[dict], title: str) -> Table:
 
 
 def cmd_validate(args) -> int:
-    from fedsim.scenario import dump_scenario, load_scenario
+    from fedsim.scenario import dump_scenario, load_scenario, read_yaml
 
+    raw = read_yaml(args.file)
+    if isinstance(raw, dict) and "sweep" in raw:
+        from fedsim.sweep import expand
+
+        name, runs = expand(args.file, args.set)
+        console.print(f"sweep {name}: {len(runs)} valid runs")
+        for run in runs:
+            console.print(f"  {run.name}", markup=False, highlight=False)
+        return 0
     scenario = load_scenario(args.file, args.set)
     console.print(dump_scenario(scenario), markup=False, highlight=False)
     return 0

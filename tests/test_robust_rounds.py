@@ -79,3 +79,10 @@ def test_detox_without_redundancy_is_group_mean_then_robust_rule(tmp_path):
     rounds, summary = run(tmp_path, ["aggregator={name: detox, group_size: 3, redundancy: false, inner: median}"])
     assert summary["rounds_completed"] == 3
     assert all(r["aggregator"]["outvoted"] == [] and r["aggregator"]["surviving_groups"] == 2 for r in rounds)
+
+
+def test_krum_selection_is_logged_by_client_id(tmp_path):
+    rounds, _ = run(tmp_path, ["aggregator={name: krum, num_malicious: 1}", "attack.schedule.every=1", "attack.schedule.first=1"])
+    for r in rounds:
+        (chosen,) = r["aggregator"]["selected"]
+        assert chosen in r["sampled"]
