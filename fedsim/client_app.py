@@ -90,3 +90,7 @@ def make_client_app(scenario=None) -> ClientApp:
         return Message(RecordDict({"update": pack_payload(payload), "metrics": metrics}), reply_to=msg)
 
     return app
+
+
+# The component `flwr run` and SuperNodes load: the scenario comes from the run config.
+app = make_client_app()

@@ -80,6 +80,16 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         scen = scenario if scenario is not None else scenario_from_context(context)
-        run_server(grid, scen, run_dir if run_dir is not None else new_run_dir(scen), progress, checkpoints)
+        if run_dir is None:  # under `flwr run`: the run config may name the parent folder
+            out = context.run_config.get("output-dir") or None
+            folder = new_run_dir(scen, out)
+        else:
+            folder = run_dir
+        run_server(grid, scen, folder, progress, checkpoints)
 
     return app
+
+
+# The component `flwr run` loads (`[tool.flwr.app.components]` in pyproject.toml): the scenario
+# comes from the run config's `scenario` key.
+app = make_server_app()
