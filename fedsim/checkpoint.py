@@ -46,10 +46,12 @@ def _rounds(folder: Path, pattern: str) -> list[tuple[int, Path]]:
     return out
 
 
-def save_server(run_dir: Path, rnd: int, global_vec: torch.Tensor, defense_states: dict[str, dict]) -> None:
+def save_server(run_dir: Path, rnd: int, global_vec: torch.Tensor, defense_states: dict[str, dict],
+                extra: dict | None = None) -> None:
+    """`extra`: plain data (ints, strings, dicts of them) such as the low-rank switch state."""
     folder = server_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    payload = {"round": rnd, "global": global_vec.clone(), "defenses": defense_states}
+    payload = {"round": rnd, "global": global_vec.clone(), "defenses": defense_states, "extra": extra or {}}
     _atomic_write(folder / f"round-{rnd}.pt", lambda p: torch.save(payload, p))
     _prune(_rounds(folder, r"round-(\d+)\.pt"))
 

@@ -200,6 +200,34 @@ def cmd_sweep(args) -> int:
     return 0 if all(is_done(folder / r.name) for r in runs) else 1
 
 
+def cmd_deploy(args) -> int:
+    import os
+
+    from fedsim.scenario import ScenarioError
+    import subprocess
+
+    from fedsim import deploy
+
+    certs = None if args.insecure else args.certs
+    if certs is None and not args.insecure:
+        raise ScenarioError("fedsim deploy", [("--certs", "TLS needs a certificate folder (scripts/generate_certs.sh), or pass --insecure for loopback tests", None)])
+    tls = None if certs is None else deploy.Tls(certs / "ca.crt", certs / "server.pem", certs / "server.key")
+    if args.role == "superlink":
+        cmd = deploy.superlink_cmd(args.host, args.port, tls, auth=not args.no_auth)
+    elif args.role == "supernode":
+        key = args.auth_key if args.auth_key is not None else (None if certs is None else certs / f"node{args.partition}_key")
+        cmd = deploy.supernode_cmd(args.partition, args.num_partitions, args.superlink, args.node_port,
+                                   None if tls is None else tls.ca_cert, key, args.data_dir)
+    else:
+        home = Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr"))
+        deploy.write_connection(home, "fedsim", args.superlink, None if tls is None else tls.ca_cert)
+        cmd = deploy.run_cmd("fedsim", args.file, args.set, args.output)
+    print(" ".join(cmd))
+    if args.dry_run:
+        return 0
+    return subprocess.call(cmd, env=deploy.deploy_env())
+
+
 def cmd_report(args) -> int:
     from fedsim.report import find_runs, markdown_table, write_report
 
@@ -233,6 +261,25 @@ def build_parser() -> argparse.ArgumentParser:
     swp.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     swp.add_argument("--verbose", action="store_true")
     swp.set_defaults(func=cmd_sweep)
+
+    dep = sub.add_parser("deploy", help="run the same apps on a real SuperLink and SuperNodes")
+    dep.add_argument("role", choices=["superlink", "supernode", "run"])
+    dep.add_argument("file", type=Path, nargs="?", default=None, help="scenario (for `run`)")
+    dep.add_argument("--insecure", action="store_true", help="no TLS, no node authentication: loopback tests only")
+    dep.add_argument("--certs", type=Path, default=None, help="folder from scripts/generate_certs.sh")
+    dep.add_argument("--host", default="127.0.0.1", help="SuperLink bind address (0.0.0.0 for other machines)")
+    dep.add_argument("--port", type=int, default=8000, help="SuperLink port (Fleet, Control and Runtime APIs)")
+    dep.add_argument("--no-auth", action="store_true", help="TLS without SuperNode authentication")
+    dep.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address, for supernode and run")
+    dep.add_argument("--partition", type=int, default=0)
+    dep.add_argument("--num-partitions", type=int, default=1)
+    dep.add_argument("--node-port", type=int, default=None, help="this SuperNode's local port (default 9094 + partition)")
+    dep.add_argument("--auth-key", type=Path, default=None, help="this SuperNode's private key (default certs/node<i>_key)")
+    dep.add_argument("--data-dir", type=Path, default=None, help="this device's data folder")
+    dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    dep.add_argument("--output", type=Path, default=None, help="parent of the run folder (on the ServerApp's machine)")
+    dep.add_argument("--dry-run", action="store_true", help="print the Flower command and stop")
+    dep.set_defaults(func=cmd_deploy)
 
     rep = sub.add_parser("report", help="markdown table and plots from run folders")
     rep.add_argument("dirs", type=Path, nargs="+", help="run folders, or folders holding run folders")

@@ -8,6 +8,9 @@ across rounds in simulation and deployment alike.
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -19,6 +22,20 @@ from fedsim.training import TrainConfig, train
 from fedsim.wire import pack_payload, unpack_model
 
 CODEC_STATE = "codec-state"
+
+
+def scenario_for_node(scenario, context: Context):
+    """A device may hold its data in its own folder: `--node-config 'data-dir="..."'` overrides data.dir."""
+    data_dir = context.node_config.get("data-dir")
+    if not data_dir:
+        return scenario
+    return scenario.model_copy(update={"data": scenario.data.model_copy(update={"dir": str(data_dir)})})
+
+
+def model_ranks(config) -> dict[str, int] | None:
+    """The factorized layers' ranks the server broadcast (JSON in the config), or None for full rank."""
+    text = config.get("model-ranks", "") if hasattr(config, "get") else ""
+    return {str(k): int(v) for k, v in json.loads(text).items()} if text else None
 
 
 def partition_id(context: Context) -> int:
@@ -33,9 +50,11 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
     """
     fed = rt.scenario.federation
     data_pid = int(config.get("data-partition", pid))
+    ranks = model_ranks(config)
+    layout = rt.layout_for(ranks)
     attack = rt.attack if (pid in rt.attackers and rt.attack is not None and rt.attack.side == "client") else None
-    model = rt.build_model()
-    rt.layout.load_into(model, global_vec)
+    model = rt.build_model(ranks)
+    layout.load_into(model, global_vec)
     epochs, lr = fed.local_epochs, rt.lr(rnd)
     if attack is not None:
         x, y = attack.training_set(rt, pid)
@@ -43,14 +62,14 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
         epochs = getattr(attack.params, "local_epochs", None) or epochs
         attack_lr = getattr(attack.params, "lr", None)
         lr = attack_lr * fed.lr_decay ** (rnd - 1) if attack_lr else lr
-        after_step = lambda b, last: attack.after_step(model, global_vec, rt.layout, b, last, info)  # noqa: E731
+        after_step = lambda b, last: attack.after_step(model, global_vec, layout, b, last, info)  # noqa: E731
     else:
         x, y = rt.client_data(data_pid)
         after_step = None
     cfg = TrainConfig(epochs, fed.batch_size, lr, fed.momentum, fed.weight_decay)
     seed = derive_seed(rt.scenario.seed, TRAIN, rnd, data_pid)
     stats = train(model, x, y, cfg, seed, after_step) if len(x) else {"loss": 0.0}
-    delta = rt.layout.flatten_model(model) - global_vec
+    delta = layout.flatten_model(model) - global_vec
     if attack is not None:
         delta = attack.finish_update(delta, info)
     return delta, len(x), stats
@@ -69,11 +88,12 @@ def make_client_app(scenario=None) -> ClientApp:
     @app.train()
     def train_handler(msg: Message, context: Context) -> Message:
         torch.set_num_threads(1)  # one core per client actor; parallelism comes from the actors
-        rt = runtime_for(scenario if scenario is not None else scenario_from_context(context))
+        rt = runtime_for(scenario_for_node(scenario if scenario is not None else scenario_from_context(context), context))
         pid = partition_id(context)
         config = msg.content["config"]
         rnd = int(config["server-round"])
-        global_vec = unpack_model(msg.content["arrays"], rt.layout)
+        layout = rt.layout_for(model_ranks(config))
+        global_vec = unpack_model(msg.content["arrays"], layout)
         delta, n, stats = local_update(rt, pid, global_vec, rnd, config)
         ckpt = str(config["checkpoint-dir"]) if "checkpoint-dir" in config else None
         state = {}
@@ -81,7 +101,11 @@ def make_client_app(scenario=None) -> ClientApp:
             state = {k: v.numpy() for k, v in context.state[CODEC_STATE].items()}
         elif ckpt is not None:  # a resumed run: this node's memory comes from the checkpoint
             state = load_client(ckpt, pid, rnd) or {}
-        payload, state = rt.codec.encode(delta, rt.layout, state)
+        if state and int(state.pop("layout-dim", [layout.dim])[0]) != layout.dim:
+            state = {}  # the model was factorized since: old residuals no longer fit
+        payload, state = rt.codec.encode(delta, layout, state)
+        if state:
+            state["layout-dim"] = np.array([layout.dim], dtype=np.int64)
         if state:
             context.state[CODEC_STATE] = pack_payload(state)
             if ckpt is not None:

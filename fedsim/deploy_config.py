@@ -2,7 +2,7 @@
 
 The run config key `scenario` names a YAML file (relative paths are resolved against the app
 directory, then the working directory); `overrides` holds `--set` style `a.b=value` pairs
-separated by spaces.
+separated by `;` (values may contain spaces, as YAML flow mappings do).
 """
 
 from __future__ import annotations
@@ -23,5 +23,5 @@ def scenario_from_context(context: Context):
     path = Path(str(cfg["scenario"]))
     if not path.is_absolute() and (APP_DIR / path).exists():
         path = APP_DIR / path
-    overrides = str(cfg.get("overrides", "")).split()
+    overrides = [item.strip() for item in str(cfg.get("overrides", "")).split(";") if item.strip()]
     return load_scenario(path, overrides)

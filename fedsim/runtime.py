@@ -18,6 +18,7 @@ import torch
 
 from fedsim.data.base import ArrayDataset, resolve_data_dir
 from fedsim.models.layout import ModelLayout
+from fedsim.models.lowrank import build_factorized
 from fedsim.registry import ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS
 from fedsim.scenario import scenario_dict
 from fedsim.training import TrainConfig, train
@@ -67,13 +68,24 @@ class Runtime:
         return len(self.client_data(partition_id)[1])
 
     # --- model ------------------------------------------------------------------------------
-    def build_model(self) -> torch.nn.Module:
+    def build_model(self, ranks: dict[str, int] | None = None) -> torch.nn.Module:
+        """The scenario's model; with `ranks`, its low-rank factorized architecture (Pufferfish layers)."""
         spec = self.scenario.model
-        return MODELS.get(spec.name).obj(self.data.input_shape, self.data.num_classes, spec)
+        def full():
+            return MODELS.get(spec.name).obj(self.data.input_shape, self.data.num_classes, spec)
+        return full() if not ranks else build_factorized(full, ranks)
 
     @functools.cached_property
     def layout(self) -> ModelLayout:
         return ModelLayout.of(self.build_model())
+
+    def layout_for(self, ranks: dict[str, int] | None) -> ModelLayout:
+        if not ranks:
+            return self.layout
+        key = ("layout", tuple(sorted(ranks.items())))
+        if key not in self.cache:
+            self.cache[key] = ModelLayout.of(self.build_model(ranks))
+        return self.cache[key]
 
     def initial_weights(self) -> torch.Tensor:
         """The initial global model: seeded random init, then a checkpoint or central pre-training if configured."""

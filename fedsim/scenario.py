@@ -9,7 +9,7 @@ Unknown keys are errors everywhere. `load_scenario` reads a file with `yaml.safe
 
 import functools
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -70,6 +70,33 @@ class InitSection(Section):
     pretrain_batch_size: int = Field(64, ge=1)
 
 
+class Pufferfish(Section):
+    """Pufferfish (Wang et al., MLSys 2021): train factorized layers W = U V^T at rank
+    floor(rank_ratio * full rank), after `warmup_rounds` of full-rank training (hybrid warm-up);
+    the factors start from a truncated SVD of the warmed-up weights."""
+
+    name: Literal["pufferfish"] = "pufferfish"
+    rank_ratio: float = Field(0.25, gt=0, le=1, description="rank = floor(ratio * full rank) (official: 1/4)")
+    warmup_rounds: int = Field(0, ge=0, description="full-rank rounds before factorizing")
+    skip_first: int = Field(1, ge=0, description="leading layers kept full rank")
+    skip_last: int = Field(1, ge=0, description="trailing layers kept full rank")
+
+
+class Cuttlefish(Section):
+    """Cuttlefish (Wang et al., MLSys 2023): start full rank, track each layer's stable rank on the
+    server every round, switch to factorized layers at the scaled stable rank once every layer's
+    smoothed rank curve is flat (the official rule, with rounds in place of epochs)."""
+
+    name: Literal["cuttlefish"] = "cuttlefish"
+    window: int = Field(15, ge=2, description="EMA window of the rank curves (official: 15)")
+    min_rounds: int | None = Field(None, ge=0, description="no switch before this round (default: window)")
+    tail: int = Field(11, ge=2, description="rounds whose mean slope must be under the threshold (official: 11)")
+    threshold: float = Field(0.1, gt=0, description="flatness threshold on the mean |slope| (official: 0.1)")
+    threshold_scaler: float = Field(1.0, gt=0, description="looser threshold for the last 1-2 layers (official: 1.0; 2.5 for ResNet-18/VGG-19)")
+    skip_first: int = Field(1, ge=0)
+    skip_last: int = Field(1, ge=0)
+
+
 class EvaluationSection(Section):
     every: int = Field(1, ge=1, description="central evaluation every k rounds (and always the last)")
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
@@ -107,6 +134,9 @@ def build_scenario_model() -> type[BaseModel]:
         defenses: list[Defense] = Field(default_factory=list)
         attack: Attack | None = None
         compression: Compressor = "none"
+        lowrank: Annotated[
+            Union[Pufferfish, Cuttlefish], Field(discriminator="name"), BeforeValidator(functools.partial(_name_shorthand, None))
+        ] | None = None
         evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
         output: OutputSection = Field(default_factory=OutputSection)
 
@@ -119,6 +149,13 @@ def build_scenario_model() -> type[BaseModel]:
                 )
             if self.attack is not None:
                 self.attack.resolve_attackers(fed.num_clients, self.seed)
+            if self.lowrank is not None:
+                stateful = [d.name for d in self.defenses if d.name == "foolsgold"]
+                if stateful:
+                    raise ValueError(
+                        f"lowrank.name={self.lowrank.name} changes the model's layers mid-run, which defenses={stateful} "
+                        "cannot follow (their per-layer history would no longer fit); drop one of the two"
+                    )
             return self
 
     return Scenario

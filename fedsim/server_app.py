@@ -35,7 +35,7 @@ def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: 
     strategy.discover_nodes(grid, timeout=fed.round_timeout)
     strategy.start(
         grid=grid,
-        initial_arrays=pack_model(strategy.global_vec, rt.layout),
+        initial_arrays=pack_model(strategy.global_vec, strategy.layout),
         num_rounds=fed.rounds - done,
         timeout=fed.round_timeout,
         evaluate_fn=strategy.end_round,

@@ -9,6 +9,7 @@ each round by evaluating the global model and appending the round's line to `rou
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from aggregators.base import AggregationError
 from attacks.schedules import sample_round
 from fedsim.checkpoint import save_server
 from fedsim.compression.base import PayloadError
+from fedsim.models.lowrank import CuttlefishTracker, factorizable_layers, factorize, rank_for_ratio
 from fedsim.registry import AGGREGATORS, DEFENSES
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.training import evaluate, target_rate
@@ -69,6 +71,8 @@ class ScenarioStrategy(Strategy):
         self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in self.scenario.defenses]
         self.node_of: dict[int, int] = {}  # partition id -> node id
         self.global_vec = runtime.initial_weights()
+        self.layout, self.ranks, self.tracker = runtime.layout, None, None  # full rank until a low-rank switch
+        self._init_lowrank()
         self.pending: dict = {}  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
         self.test_x, self.test_y = runtime.data.x_test, runtime.data.y_test
@@ -79,6 +83,51 @@ class ScenarioStrategy(Strategy):
         self.backdoor = None
         if runtime.attack is not None:
             self.backdoor = runtime.attack.backdoor_test_set(runtime)
+
+    # --- low-rank models (Pufferfish / Cuttlefish) --------------------------------------------
+    def _global_model(self) -> torch.nn.Module:
+        model = self.rt.build_model(self.ranks)
+        self.layout.load_into(model, self.global_vec)
+        return model
+
+    def _init_lowrank(self) -> None:
+        spec = self.scenario.lowrank
+        if spec is None:
+            return
+        if spec.name == "cuttlefish":
+            model = self._global_model()
+            self.tracker = CuttlefishTracker(
+                model, window=spec.window, min_rounds=spec.min_rounds, tail=spec.tail, threshold=spec.threshold,
+                threshold_scaler=spec.threshold_scaler, skip_first=spec.skip_first, skip_last=spec.skip_last,
+            )
+            self.tracker.update(model)  # the official history starts with the untrained weights
+        elif spec.warmup_rounds == 0:
+            self._switch(self._pufferfish_ranks())
+
+    def _pufferfish_ranks(self) -> dict[str, int]:
+        spec, model = self.scenario.lowrank, self._global_model()
+        modules = dict(model.named_modules())
+        names = factorizable_layers(model, skip_first=spec.skip_first, skip_last=spec.skip_last)
+        return {n: rank_for_ratio(modules[n], spec.rank_ratio) for n in names}
+
+    def _switch(self, ranks: dict[str, int]) -> dict:
+        """Factorize the global model by truncated SVD; from now on clients train and send factors."""
+        before = self.layout.dim
+        model = factorize(self._global_model(), ranks)
+        self.ranks = dict(ranks)
+        self.layout = self.rt.layout_for(self.ranks)
+        self.global_vec = self.layout.flatten_model(model)
+        log.info("low-rank switch: %s, %d -> %d parameters", ranks, before, self.layout.dim)
+        return {"switched": True, "ranks": self.ranks, "params_before": before, "params_after": self.layout.dim}
+
+    def _lowrank_after_round(self, rnd: int) -> dict | None:
+        spec = self.scenario.lowrank
+        if spec is None or self.ranks is not None:
+            return None
+        if spec.name == "pufferfish":
+            return self._switch(self._pufferfish_ranks()) if rnd >= spec.warmup_rounds else None
+        self.tracker.update(self._global_model())
+        return self._switch(self.tracker.ranks()) if self.tracker.should_switch() else None
 
     # --- set-up -------------------------------------------------------------------------------
     def discover_nodes(self, grid: Grid, timeout: float) -> None:
@@ -110,13 +159,22 @@ class ScenarioStrategy(Strategy):
     def resume_from(self, state: dict) -> None:
         """Continue after the checkpointed round: its global model and defense states."""
         self.offset = int(state["round"])
+        extra = state.get("extra", {})
+        if extra.get("ranks"):
+            self.ranks = {str(k): int(v) for k, v in extra["ranks"].items()}
+            self.layout = self.rt.layout_for(self.ranks)
+        if self.tracker is not None and "tracker" in extra:
+            self.tracker.load_state_dict(json.loads(extra["tracker"]))
         self.global_vec = state["global"].clone()
         for name, defense in self.defenses:
             defense.load_state_dict(state["defenses"].get(name, {}))
 
     def checkpoint(self, rnd: int) -> None:
         if self.checkpoint_dir is not None:
-            save_server(self.checkpoint_dir.parent, rnd, self.global_vec, {n: d.state_dict() for n, d in self.defenses})
+            extra = {"ranks": self.ranks or {}}
+            if self.tracker is not None:
+                extra["tracker"] = json.dumps(self.tracker.state_dict())
+            save_server(self.checkpoint_dir.parent, rnd, self.global_vec, {n: d.state_dict() for n, d in self.defenses}, extra)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         server_round += self.offset
@@ -132,11 +190,13 @@ class ScenarioStrategy(Strategy):
             sampled, strikers = sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
         # what Attack of the Tails' replacement attacker is assumed to know: the round's total data
         total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
-        model_record = pack_model(self.global_vec, self.rt.layout)
+        model_record = pack_model(self.global_vec, self.layout)
         groups, shard_of = self._groups(sampled)
         messages, down = [], 0
         for pid in sampled:
             cfg = {"server-round": server_round, "lr": self.rt.lr(server_round)}
+            if self.ranks:
+                cfg["model-ranks"] = json.dumps(self.ranks, sort_keys=True)
             if pid in shard_of:
                 cfg["data-partition"] = shard_of[pid]
             if pid in strikers and self.rt.attack.side == "client":
@@ -169,6 +229,9 @@ class ScenarioStrategy(Strategy):
         shard_of = {p: g[0] for g in groups for p in g} if spec.redundancy else {}
         return groups, shard_of
 
+    def _pid_of_node(self, node_id: int) -> int:
+        return next((pid for pid, node in self.node_of.items() if node == node_id), -1)
+
     def _decode(self, replies: Iterable[Message]) -> tuple[list, dict, int, dict]:
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
         pid_of = {node: pid for pid, node in self.node_of.items()}
@@ -186,8 +249,8 @@ class ScenarioStrategy(Strategy):
                 weight = float(content["metrics"]["num-examples"])
                 if not weight >= 0 or weight == float("inf"):
                     raise PayloadError(f"num-examples must be a finite count >= 0, got {weight}")
-                update = self.rt.codec.decode(unpack_payload(content["update"], self.rt.layout), self.rt.layout)
-                if update.shape != (self.rt.layout.dim,) or update.dtype != torch.float32:
+                update = self.rt.codec.decode(unpack_payload(content["update"], self.layout), self.layout)
+                if update.shape != (self.layout.dim,) or update.dtype != torch.float32:
                     raise PayloadError(f"decoded update has shape {tuple(update.shape)} / {update.dtype}")
                 if not torch.isfinite(update).all():
                     raise PayloadError("update contains NaN or Inf")
@@ -202,8 +265,13 @@ class ScenarioStrategy(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         server_round += self.offset
+        replies = list(replies)
         rows, rejected, up, losses = self._decode(replies)
         record = self.pending
+        answered = {self._pid_of_node(m.metadata.src_node_id) for m in replies}
+        for pid in record["sampled"]:
+            if pid not in answered:  # a node that died or timed out: the round goes on without it
+                rejected[pid] = f"no reply within federation.round_timeout={self.scenario.federation.round_timeout}s"
         record.update({"bytes_up": up, "rejected": rejected, "defenses": {}, "skipped": None})
         record["train_loss"] = (sum(losses[p] for p in sorted(losses)) / len(losses)) if losses else None
         strikers = set(record["attackers"])
@@ -219,7 +287,7 @@ class ScenarioStrategy(Strategy):
             torch.tensor([w for _, _, w in rows], dtype=torch.float32),
             tuple(pid for pid, _, _ in rows),
         )
-        ctx = RoundContext(server_round, self.global_vec, self.rt.layout, torch_generator(self.scenario.seed, SERVER, server_round))
+        ctx = RoundContext(server_round, self.global_vec, self.layout, torch_generator(self.scenario.seed, SERVER, server_round))
         batch = self._server_attack(batch, strikers, ctx)
         try:
             for name, defense in self.defenses:
@@ -238,7 +306,11 @@ class ScenarioStrategy(Strategy):
         record["aggregated"] = list(batch.client_ids)
         self.global_vec = self.global_vec + aggregate
         record["global_norm"] = float(torch.linalg.vector_norm(self.global_vec))
-        return pack_model(self.global_vec, self.rt.layout), MetricRecord({"num-updates": len(rows)})
+        switch = self._lowrank_after_round(server_round)
+        if switch is not None:
+            record["lowrank"] = switch
+        record["model_params"] = self.layout.dim
+        return pack_model(self.global_vec, self.layout), MetricRecord({"num-updates": len(rows)})
 
     def _aggregate(self, batch: UpdateBatch, record: dict) -> torch.Tensor:
         """Run the rule; rules that pick or vote (Krum, DETOX) also report which clients, by id."""
@@ -278,8 +350,8 @@ class ScenarioStrategy(Strategy):
 
     # --- end of round: central evaluation and the round's line --------------------------------
     def central_evaluate(self, server_round: int) -> dict:
-        model = self.rt.build_model()
-        self.rt.layout.load_into(model, self.global_vec)
+        model = self.rt.build_model(self.ranks)
+        self.layout.load_into(model, self.global_vec)
         bs = self.scenario.evaluation.batch_size
         main = evaluate(model, self.test_x, self.test_y, bs)
         out = {"main_accuracy": main["accuracy"], "main_loss": main["loss"], "backdoor_success": None}

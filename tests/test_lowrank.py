@@ -32,7 +32,15 @@ from fedsim.models.lowrank import (
 )
 from fedsim.models.nets import LeNetParams, MlpParams, Vgg9Params, lenet, mlp, vgg9
 
-torch.set_default_dtype(torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """LAPACK's threaded SVD crawls on an oversubscribed CPU (VGG-9's 512×4608 layers: ~20 s vs ~0.4 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _lenet() -> nn.Module:
@@ -103,8 +111,8 @@ def test_factorize_at_full_rank_reproduces_outputs(builder, shape):
     assert not low.training
 
 
-@pytest.mark.parametrize("dense", [nn.Linear(20, 12), nn.Conv2d(4, 10, 3, padding=1)])
-@pytest.mark.parametrize("rank", [1, 3, 7])
+@pytest.mark.parametrize("dense", [nn.Linear(20, 12), nn.Linear(6, 15), nn.Conv2d(4, 10, 3, padding=1)])
+@pytest.mark.parametrize("rank", [1, 3, 5])
 def test_factorize_is_best_rank_r_approximation(dense, rank):
     torch.manual_seed(3)
     net = nn.Sequential(dense)
@@ -115,7 +123,7 @@ def test_factorize_is_best_rank_r_approximation(dense, rank):
     sigma = np.linalg.svd(w, compute_uv=False)
     err = np.linalg.norm(w - u @ vt, "fro") ** 2
     assert err == pytest.approx(np.sum(sigma[rank:] ** 2), rel=1e-4, abs=1e-8)
-    # Σ^{1/2} split evenly: UᵀU = V Vᵀ... = diag(σ_1..σ_r)
+    # Σ^{1/2} split evenly between the factors: UᵀU = VᵀV = diag(σ_1..σ_r)
     np.testing.assert_allclose(u.T @ u, np.diag(sigma[:rank]), atol=1e-5)
     np.testing.assert_allclose(vt @ vt.T, np.diag(sigma[:rank]), atol=1e-5)
     torch.testing.assert_close(low.u.bias, dense.bias)
@@ -188,13 +196,15 @@ def _set(net: nn.Sequential, index: int, srank: float, seed: int) -> None:
 
 def _oracle_flat(history: list[int], limit: float, window: int = 15, tail: int = 11) -> bool:
     """Official rule re-derived: EMA by an IIR filter, slopes by hand-written differences."""
+    if len(history) - 1 < window:
+        return False
     a = 2 / (window + 1)
     x = np.asarray(history, dtype=float)
     ema, _ = lfilter([a], [1, a - 1], x, zi=[(1 - a) * x[0]])
     slope = np.empty_like(ema)
     slope[0], slope[-1] = ema[1] - ema[0], ema[-1] - ema[-2]
     slope[1:-1] = (ema[2:] - ema[:-2]) / 2
-    return len(history) - 1 >= window and np.abs(slope)[-tail:].mean() <= limit
+    return np.abs(slope)[-tail:].mean() <= limit
 
 
 def test_tracker_waits_min_rounds_on_a_constant_curve():
@@ -212,7 +222,7 @@ def test_tracker_switches_only_once_the_curve_flattens():
     _set(net, 1, 16.5, seed=0)  # ⌊srank⌋ = 16 at init → ξ = 32/16 = 2
     tracker = CuttlefishTracker(net)
     assert tracker.xi == [pytest.approx(2.0)]
-    changing = [16.5 - 0.5 * t for t in range(20)]  # 16.5 → 7.0, one unit every two rounds
+    changing = [16.25 - 0.5 * t for t in range(20)]  # 16.25 → 6.75, one unit every two rounds
     flat = [6.5] * 40
     decisions, history = [], []
     for t, s in enumerate(changing + flat):

@@ -86,6 +86,11 @@ def _as_matrix(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(weight.shape[0], -1)
 
 
+def _tall(matrix: torch.Tensor) -> torch.Tensor:
+    """The matrix or its transpose, whichever has more rows: LAPACK's SVD is several times faster so."""
+    return matrix if matrix.shape[0] >= matrix.shape[1] else matrix.T.contiguous()
+
+
 def dense_weight(module: nn.Module) -> torch.Tensor:
     """The layer's weight as a dense [out, in·k·k] matrix (U Vᵀ for a factorized layer)."""
     if isinstance(module, FACTORIZED):
@@ -110,7 +115,7 @@ def stable_rank(weight: torch.Tensor) -> float:
     Uses torch.linalg.svdvals in float64; the official Cuttlefish code calls scipy's svdvals on the same
     reshape, which gives the same singular values to float precision. A zero matrix has srank 0.
     """
-    s = torch.linalg.svdvals(_as_matrix(weight).to(torch.float64))
+    s = torch.linalg.svdvals(_tall(_as_matrix(weight).to(torch.float64)))
     top = float(s.max()) if s.numel() else 0.0
     return float((s**2).sum()) / top**2 if top > 0 else 0.0
 
@@ -195,9 +200,15 @@ def _svd_factors(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
 
     U Vᵀ is then the best rank-r approximation of W (Eckart–Young). Computed in float64.
     """
-    u, s, vh = torch.linalg.svd(_as_matrix(weight).to(torch.float64), full_matrices=False)
+    w = _as_matrix(weight).to(torch.float64)
+    if w.shape[0] >= w.shape[1]:
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)
+        left, right = u, vh.T
+    else:  # W = (Wᵀ)ᵀ = (Ũ Σ Ṽᵀ)ᵀ = Ṽ Σ Ũᵀ
+        u, s, vh = torch.linalg.svd(_tall(w), full_matrices=False)
+        left, right = vh.T, u
     root = s[:rank].sqrt()
-    return u[:, :rank] * root, vh[:rank].T * root
+    return left[:, :rank] * root, right[:, :rank] * root
 
 
 def factorized_from(module: nn.Module, rank: int) -> nn.Module:

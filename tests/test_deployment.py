@@ -1,0 +1,147 @@
+"""The same apps on Flower's deployment engine: a real SuperLink and SuperNodes on loopback.
+
+Slow (real processes, a fresh ClientApp process per message): run with `pytest -m slow`.
+Every process is started in its own session and killed at the end, even on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fedsim import deploy
+from fedsim.results import read_rounds
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.procs = tmp, []
+        self.env = deploy.deploy_env(tmp / "flwr_home")
+        self.env["PATH"] = f"{BIN}:{self.env['PATH']}"
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def start(self, cmd: list[str], name: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, env=self.env, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def superlink(self, tls=None) -> None:
+        self.start(deploy.superlink_cmd(port=self.port, tls=tls, database=self.tmp / "state.db"), "superlink")
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError("SuperLink did not open its port")
+
+    def supernode(self, i: int, n: int, **kw) -> subprocess.Popen:
+        return self.start(deploy.supernode_cmd(i, n, self.address, port=free_port(), **kw), f"supernode{i}")
+
+    def run(self, overrides: list[str], root_cert=None, timeout: float = 600) -> subprocess.Popen:
+        deploy.write_connection(self.tmp / "flwr_home", "test", self.address, root_cert)
+        cmd = deploy.run_cmd("test", REPO / "scenarios/quickstart.yaml", overrides, self.tmp / "results")
+        return self.start(cmd, "flwr_run")
+
+    def run_dir(self) -> Path | None:
+        found = sorted((self.tmp / "results").glob("*/rounds.jsonl"))
+        return found[0].parent if found else None
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=10)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+SCENARIO = ["federation.num_clients=3", "federation.clients_per_round=3", "federation.rounds=2",
+            "attack.attacker_ids=[0]", "attack.schedule={name: every_round}"]
+
+
+def wait_summary(cluster: Cluster, timeout: float, run: subprocess.Popen) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        run_dir = cluster.run_dir()
+        if run_dir is not None and (run_dir / "summary.json").exists():
+            return json.loads((run_dir / "summary.json").read_text())
+        if run.poll() is not None and run.returncode != 0:
+            break  # `flwr run` failed: no point in waiting
+        time.sleep(2)
+    logs = {p.name: p.read_text()[-3000:] for p in cluster.tmp.glob("*.log")}
+    raise AssertionError(f"no summary (flwr run exit {run.poll()}); logs: {logs}")
+
+
+def test_scenario_runs_on_superlink_with_three_supernodes(cluster):
+    cluster.superlink()
+    for i in range(3):
+        cluster.supernode(i, 3)
+    run = cluster.run(SCENARIO + ["federation.round_timeout=300"])
+    summary = wait_summary(cluster, 600, run)
+    rounds = read_rounds(cluster.run_dir())
+    assert summary["rounds_completed"] == 2
+    assert [r["attackers"] for r in rounds] == [[0], [0]]
+    assert all(r["sampled"] == [0, 1, 2] and not r["rejected"] for r in rounds)
+    assert all(r["backdoor_success"] is not None and r["bytes_up"] > 0 for r in rounds)
+
+
+def test_killed_supernode_does_not_hang_the_server(cluster):
+    cluster.superlink()
+    nodes = [cluster.supernode(i, 3) for i in range(3)]
+    run = cluster.run(SCENARIO + ["federation.round_timeout=60"])
+    deadline = time.time() + 600
+    while time.time() < deadline and not (cluster.run_dir() and read_rounds(cluster.run_dir())):
+        time.sleep(2)
+    os.killpg(nodes[2].pid, signal.SIGKILL)  # device 2 dies after round 1
+    summary = wait_summary(cluster, 400, run)
+    last = read_rounds(cluster.run_dir())[-1]
+    assert summary["rounds_completed"] == 2
+    assert "2" in last["rejected"] and last["aggregated"] == [0, 1]
+
+
+def test_tls_with_supernode_authentication(cluster, tmp_path):
+    certs = tmp_path / "certs"
+    subprocess.run(["bash", str(REPO / "scripts/generate_certs.sh"), str(certs), "4"], check=True, capture_output=True)
+    tls = deploy.Tls(certs / "ca.crt", certs / "server.pem", certs / "server.key")
+    cluster.superlink(tls)
+    deploy.write_connection(cluster.tmp / "flwr_home", "test", cluster.address, tls.ca_cert)
+    for i in range(3):  # register the three devices' public keys before they connect
+        subprocess.run([str(BIN / "flwr"), "supernode", "register", str(certs / f"node{i}_key.pub"), "test"],
+                       env=cluster.env, cwd=cluster.tmp, check=True, capture_output=True, timeout=120)
+        cluster.supernode(i, 3, root_cert=tls.ca_cert, auth_key=certs / f"node{i}_key")
+    intruder = cluster.supernode(3, 4, root_cert=tls.ca_cert, auth_key=certs / "node3_key", max_retries=1)
+    assert intruder.wait(timeout=120) != 0  # an unregistered key is refused
+    run = cluster.run(SCENARIO + ["federation.round_timeout=300"], root_cert=tls.ca_cert)
+    summary = wait_summary(cluster, 600, run)
+    assert summary["rounds_completed"] == 2
