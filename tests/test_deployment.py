@@ -114,6 +114,18 @@ def test_scenario_runs_on_superlink_with_three_supernodes(cluster):
     assert [r["attackers"] for r in rounds] == [[0], [0]]
     assert all(r["sampled"] == [0, 1, 2] and not r["rejected"] for r in rounds)
     assert all(r["backdoor_success"] is not None and r["bytes_up"] > 0 for r in rounds)
+    # the same scenario and seed in-process gives the same metrics: only the transport differs
+    from fedsim.client_app import make_client_app
+    from fedsim.results import new_run_dir
+    from fedsim.scenario import load_scenario
+    from fedsim.server_app import run_server
+    from local_grid import LocalGrid
+
+    scenario = load_scenario(REPO / "scenarios/quickstart.yaml", SCENARIO + ["federation.round_timeout=300"])
+    local_dir = new_run_dir(scenario, cluster.tmp / "local")
+    run_server(LocalGrid(make_client_app(scenario), 3), scenario, local_dir)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rs]  # noqa: E731
+    assert strip(read_rounds(local_dir)) == strip(rounds)
 
 
 def test_killed_supernode_does_not_hang_the_server(cluster):
