@@ -127,19 +127,25 @@ def plot_curves(runs: list[Path], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_acc, ax_bd) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for run in runs:
-        rounds = read_rounds(run)
+    all_rounds = {run: read_rounds(run) for run in runs}
+    targeted = any(r.get("backdoor_success") is not None for rs in all_rounds.values() for r in rs)
+    fig, axes = plt.subplots(1, 2 if targeted else 1, figsize=(12 if targeted else 7, 4.2), squeeze=False)
+    ax_acc = axes[0][0]
+    for run, rounds in all_rounds.items():
         xs = [r["round"] for r in rounds]
         label = run_label(run)
         ax_acc.plot(xs, [r.get("main_accuracy") for r in rounds], label=label)
-        line, = ax_bd.plot(xs, [r.get("backdoor_success") for r in rounds], label=label)
-        hits = [r["round"] for r in rounds if r.get("attackers")]
-        ax_bd.plot(hits, [next(r.get("backdoor_success") for r in rounds if r["round"] == h) for h in hits],
-                   "o", color=line.get_color(), markersize=3)
+        if targeted:
+            line, = axes[0][1].plot(xs, [r.get("backdoor_success") for r in rounds], label=label)
+            hits = [r for r in rounds if r.get("attackers") and r.get("backdoor_success") is not None]
+            axes[0][1].plot([r["round"] for r in hits], [r["backdoor_success"] for r in hits], "o",
+                            color=line.get_color(), markersize=3)
     ax_acc.set(xlabel="round", ylabel="main-task accuracy", title="main task")
-    ax_bd.set(xlabel="round", ylabel="backdoor success rate", title="backdoor (dots: attack rounds)", ylim=(-0.02, 1.02))
-    ax_bd.legend(fontsize=7, loc="best")
+    if targeted:
+        axes[0][1].set(xlabel="round", ylabel="backdoor success rate", title="backdoor (dots: attack rounds)", ylim=(-0.02, 1.02))
+        axes[0][1].legend(fontsize=7, loc="best")
+    else:
+        ax_acc.legend(fontsize=7, loc="best")
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     path = out / "curves.png"
