@@ -26,7 +26,7 @@ from pydantic import Field
 
 from attacks.base import AttackParams, ClientAttack
 from fedsim.data.edge import ArdisEdge, EdgeSpec, SouthwestEdge, TailEdge, build_ardis, build_southwest, build_tail
-from fedsim.registry import ATTACKS, DATASETS
+from fedsim.registry import ATTACKS
 
 
 class EdgeCaseParams(AttackParams):

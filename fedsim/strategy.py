@@ -25,12 +25,12 @@ from aggregators.base import AggregationError
 from attacks.schedules import sample_round
 from fedsim.checkpoint import save_server
 from fedsim.compression.base import PayloadError
-from fedsim.models.lowrank import CuttlefishTracker, factorizable_layers, factorize, rank_for_ratio
+from fedsim.lowrank_switch import LowRankSwitch
+from fedsim.metrics import CentralEvaluator
 from fedsim.registry import AGGREGATORS, DEFENSES
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
-from fedsim.training import evaluate, target_rate
 from fedsim.updates import RoundContext, UpdateBatch
-from fedsim.wire import message_bytes, pack_model, unpack_payload
+from fedsim.wire import decode_upload, message_bytes, pack_model
 
 log = logging.getLogger("fedsim")
 
@@ -70,64 +70,16 @@ class ScenarioStrategy(Strategy):
         self.aggregate_kwargs = component_kwargs(agg)
         self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in self.scenario.defenses]
         self.node_of: dict[int, int] = {}  # partition id -> node id
-        self.global_vec = runtime.initial_weights()
-        self.layout, self.ranks, self.tracker = runtime.layout, None, None  # full rank until a low-rank switch
-        self._init_lowrank()
+        self.lowrank = LowRankSwitch(runtime, self.scenario.lowrank)
+        self.global_vec = self.lowrank.start(runtime.initial_weights())
+        self.evaluator = CentralEvaluator(runtime)
         self.pending: dict = {}  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
-        self.test_x, self.test_y = runtime.data.x_test, runtime.data.y_test
-        subset = self.scenario.evaluation.test_subset
-        if subset is not None and subset < len(self.test_y):
-            keep = np.sort(numpy_rng(self.scenario.seed, SERVER, 0).choice(len(self.test_y), subset, replace=False))
-            self.test_x, self.test_y = self.test_x[keep], self.test_y[keep]
-        self.backdoor = None
-        if runtime.attack is not None:
-            self.backdoor = runtime.attack.backdoor_test_set(runtime)
 
-    # --- low-rank models (Pufferfish / Cuttlefish) --------------------------------------------
-    def _global_model(self) -> torch.nn.Module:
-        model = self.rt.build_model(self.ranks)
-        self.layout.load_into(model, self.global_vec)
-        return model
-
-    def _init_lowrank(self) -> None:
-        spec = self.scenario.lowrank
-        if spec is None:
-            return
-        if spec.name == "cuttlefish":
-            model = self._global_model()
-            self.tracker = CuttlefishTracker(
-                model, window=spec.window, min_rounds=spec.min_rounds, tail=spec.tail, threshold=spec.threshold,
-                threshold_scaler=spec.threshold_scaler, skip_first=spec.skip_first, skip_last=spec.skip_last,
-            )
-            self.tracker.update(model)  # the official history starts with the untrained weights
-        elif spec.warmup_rounds == 0:
-            self._switch(self._pufferfish_ranks())
-
-    def _pufferfish_ranks(self) -> dict[str, int]:
-        spec, model = self.scenario.lowrank, self._global_model()
-        modules = dict(model.named_modules())
-        names = factorizable_layers(model, skip_first=spec.skip_first, skip_last=spec.skip_last)
-        return {n: rank_for_ratio(modules[n], spec.rank_ratio) for n in names}
-
-    def _switch(self, ranks: dict[str, int]) -> dict:
-        """Factorize the global model by truncated SVD; from now on clients train and send factors."""
-        before = self.layout.dim
-        model = factorize(self._global_model(), ranks)
-        self.ranks = dict(ranks)
-        self.layout = self.rt.layout_for(self.ranks)
-        self.global_vec = self.layout.flatten_model(model)
-        log.info("low-rank switch: %s, %d -> %d parameters", ranks, before, self.layout.dim)
-        return {"switched": True, "ranks": self.ranks, "params_before": before, "params_after": self.layout.dim}
-
-    def _lowrank_after_round(self, rnd: int) -> dict | None:
-        spec = self.scenario.lowrank
-        if spec is None or self.ranks is not None:
-            return None
-        if spec.name == "pufferfish":
-            return self._switch(self._pufferfish_ranks()) if rnd >= spec.warmup_rounds else None
-        self.tracker.update(self._global_model())
-        return self._switch(self.tracker.ranks()) if self.tracker.should_switch() else None
+    @property
+    def layout(self):
+        """The current model layout (it changes once, if the model is factorized mid-run)."""
+        return self.lowrank.layout()
 
     # --- set-up -------------------------------------------------------------------------------
     def discover_nodes(self, grid: Grid, timeout: float) -> None:
@@ -159,22 +111,15 @@ class ScenarioStrategy(Strategy):
     def resume_from(self, state: dict) -> None:
         """Continue after the checkpointed round: its global model and defense states."""
         self.offset = int(state["round"])
-        extra = state.get("extra", {})
-        if extra.get("ranks"):
-            self.ranks = {str(k): int(v) for k, v in extra["ranks"].items()}
-            self.layout = self.rt.layout_for(self.ranks)
-        if self.tracker is not None and "tracker" in extra:
-            self.tracker.load_state_dict(json.loads(extra["tracker"]))
+        self.lowrank.load_state_dict(state.get("extra", {}))
         self.global_vec = state["global"].clone()
         for name, defense in self.defenses:
             defense.load_state_dict(state["defenses"].get(name, {}))
 
     def checkpoint(self, rnd: int) -> None:
         if self.checkpoint_dir is not None:
-            extra = {"ranks": self.ranks or {}}
-            if self.tracker is not None:
-                extra["tracker"] = json.dumps(self.tracker.state_dict())
-            save_server(self.checkpoint_dir.parent, rnd, self.global_vec, {n: d.state_dict() for n, d in self.defenses}, extra)
+            defense_states = {n: d.state_dict() for n, d in self.defenses}
+            save_server(self.checkpoint_dir.parent, rnd, self.global_vec, defense_states, self.lowrank.state_dict())
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         server_round += self.offset
@@ -195,8 +140,8 @@ class ScenarioStrategy(Strategy):
         messages, down = [], 0
         for pid in sampled:
             cfg = {"server-round": server_round, "lr": self.rt.lr(server_round)}
-            if self.ranks:
-                cfg["model-ranks"] = json.dumps(self.ranks, sort_keys=True)
+            if self.lowrank.ranks:
+                cfg["model-ranks"] = json.dumps(self.lowrank.ranks, sort_keys=True)
             if pid in shard_of:
                 cfg["data-partition"] = shard_of[pid]
             if pid in strikers and self.rt.attack.side == "client":
@@ -243,22 +188,12 @@ class ScenarioStrategy(Strategy):
                 continue
             up += message_bytes(reply)
             try:
-                content = reply.content
-                if "update" not in content.array_records or "metrics" not in content.metric_records:
-                    raise PayloadError("reply needs an 'update' ArrayRecord and a 'metrics' MetricRecord")
-                weight = float(content["metrics"]["num-examples"])
-                if not weight >= 0 or weight == float("inf"):
-                    raise PayloadError(f"num-examples must be a finite count >= 0, got {weight}")
-                update = self.rt.codec.decode(unpack_payload(content["update"], self.layout), self.layout)
-                if update.shape != (self.layout.dim,) or update.dtype != torch.float32:
-                    raise PayloadError(f"decoded update has shape {tuple(update.shape)} / {update.dtype}")
-                if not torch.isfinite(update).all():
-                    raise PayloadError("update contains NaN or Inf")
-            except (PayloadError, KeyError, TypeError, ValueError) as err:
+                update, weight, loss = decode_upload(reply.content, self.rt.codec, self.layout)
+            except PayloadError as err:
                 rejected[pid] = str(err)
                 log.warning("round %s: rejected upload from client %s: %s", self.pending.get("round"), pid, err)
                 continue
-            losses[pid] = float(content["metrics"].get("train-loss", float("nan")))
+            losses[pid] = loss
             rows.append((pid, update, weight))
         rows.sort(key=lambda r: r[0])  # aggregation independent of arrival order
         return rows, rejected, up, losses
@@ -306,7 +241,7 @@ class ScenarioStrategy(Strategy):
         record["aggregated"] = list(batch.client_ids)
         self.global_vec = self.global_vec + aggregate
         record["global_norm"] = float(torch.linalg.vector_norm(self.global_vec))
-        switch = self._lowrank_after_round(server_round)
+        self.global_vec, switch = self.lowrank.after_round(server_round, self.global_vec)
         if switch is not None:
             record["lowrank"] = switch
         record["model_params"] = self.layout.dim
@@ -349,21 +284,6 @@ class ScenarioStrategy(Strategy):
                  [n for n, _ in self.defenses])
 
     # --- end of round: central evaluation and the round's line --------------------------------
-    def central_evaluate(self, server_round: int) -> dict:
-        model = self.rt.build_model(self.ranks)
-        self.layout.load_into(model, self.global_vec)
-        bs = self.scenario.evaluation.batch_size
-        main = evaluate(model, self.test_x, self.test_y, bs)
-        out = {"main_accuracy": main["accuracy"], "main_loss": main["loss"], "backdoor_success": None}
-        if self.backdoor is not None:
-            x_bd, targets = self.backdoor
-            out["backdoor_success"] = target_rate(model, x_bd, targets, bs)
-            source = getattr(getattr(self.scenario.attack, "edge_set", None), "source_class", None)
-            if source is not None:  # clean accuracy on the edge set's source class
-                mask = self.test_y == source
-                out["source_class_accuracy"] = evaluate(model, self.test_x[mask], self.test_y[mask], bs)["accuracy"]
-        return out
-
     def end_round(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0 and self.offset:
             return None  # a resumed run: round 0 was evaluated the first time
@@ -377,7 +297,7 @@ class ScenarioStrategy(Strategy):
         else:
             record = self.pending
         if server_round == 0 or server_round % ev.every == 0 or last:
-            record.update(self.central_evaluate(server_round))
+            record.update(self.evaluator(self.lowrank.model(self.global_vec)))
         record["wall_seconds"] = time.perf_counter() - self.t_round if server_round else 0.0
         if server_round:
             self.checkpoint(server_round)  # before the line: a written line always has its checkpoint

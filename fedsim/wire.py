@@ -50,6 +50,27 @@ def unpack_payload(record: ArrayRecord, layout: ModelLayout) -> dict[str, np.nda
     return out
 
 
+def decode_upload(content, codec, layout: ModelLayout) -> tuple[torch.Tensor, float, float]:
+    """A reply's (update, example count, training loss), every part checked; PayloadError says why not."""
+    try:
+        if "update" not in content.array_records or "metrics" not in content.metric_records:
+            raise PayloadError("reply needs an 'update' ArrayRecord and a 'metrics' MetricRecord")
+        weight = float(content["metrics"]["num-examples"])
+        if not weight >= 0 or weight == float("inf"):
+            raise PayloadError(f"num-examples must be a finite count >= 0, got {weight}")
+        update = codec.decode(unpack_payload(content["update"], layout), layout)
+        loss = float(content["metrics"].get("train-loss", float("nan")))
+    except PayloadError:
+        raise
+    except (KeyError, TypeError, ValueError) as err:  # malformed records from an untrusted client
+        raise PayloadError(f"malformed reply: {err!r}") from None
+    if update.shape != (layout.dim,) or update.dtype != torch.float32:
+        raise PayloadError(f"decoded update has shape {tuple(update.shape)} / {update.dtype}")
+    if not torch.isfinite(update).all():
+        raise PayloadError("update contains NaN or Inf")
+    return update, weight, loss
+
+
 def message_bytes(msg: Message) -> int:
     """Serialized size of the message's content (its RecordDict protobuf): the payload it carries.
 
