@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from fedsim.registry import Params
 
@@ -58,7 +58,11 @@ class FixedPool(Params):
         return True
 
 
-Schedule = Annotated[Union[FixedFrequency, EveryRound, ExplicitRounds, FixedPool], Field(discriminator="name")]
+Schedule = Annotated[
+    Union[FixedFrequency, EveryRound, ExplicitRounds, FixedPool],
+    Field(discriminator="name"),
+    BeforeValidator(lambda v: {"name": v} if isinstance(v, str) else v),  # `schedule: every_round` shorthand
+]
 
 
 def sample_round(

@@ -109,3 +109,30 @@ def test_fixed_pool_attackers_are_the_sampled_pool_members():
         assert strikers == [c for c in sampled if c in pool]
         seen += len(strikers)
     assert 0.3 < seen / (29 * 10) < 0.7  # half the clients are in the pool: about half the seats
+
+
+def test_southwest_planes_on_cifar10_format(tmp_path, real_data_dir):
+    """The CIFAR-10 task's edge set: Southwest planes labelled truck (9); honest copies are airplanes (0)."""
+    import pickle
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"labels": rng.integers(0, 10, 120).tolist(), b"data": rng.integers(0, 256, (120, 3072), dtype=np.uint8)}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    (tmp_path / "southwest_edgecase.npz").symlink_to(real_data_dir / "southwest_edgecase.npz")
+    scenario = validate_scenario({
+        "data": {"dataset": "cifar10", "dir": str(tmp_path)}, "model": "vgg9",
+        "federation": {"num_clients": 10},
+        "attack": {"name": "edge_case", "attacker_ids": [3], "edge_set": "southwest", "num_edge": 100, "num_clean": 400,
+                   "honest_copies": "almost_edge", "honest_copy_share": 0.2},
+    })
+    rt = Runtime(scenario)
+    x, y = rt.attack.training_set(rt, 3)
+    assert x.shape == (500, 3, 32, 32) and (y[:100] == 9).all()  # the paper's 100 edge + 400 clean
+    x_bd, targets = rt.attack.backdoor_test_set(rt)
+    assert x_bd.shape == (196, 3, 32, 32) and (targets == 9).all()
+    holder = rt.attack._copy_holders(rt)[0]
+    assert (rt.attack.honest_extra_data(rt, holder)[1] == 0).all()

@@ -78,8 +78,9 @@ def test_recovers_known_permutation(noise):
         expected = (np.sum(rows, axis=0) + prior_mean(dim)) / (num_clients + 1)
         np.testing.assert_allclose(res.theta[pi[k]], expected, rtol=1e-12, atol=1e-12)
     if noise == 0.0:
-        np.testing.assert_allclose(res.theta[pi, :-1], base[:, :-1] * num_clients / (num_clients + 1))
-        np.testing.assert_allclose(res.theta[pi, -1], (num_clients * base[:, -1] + 0.1) / (num_clients + 1))
+        n = num_clients
+        np.testing.assert_allclose(res.theta[pi, :-1], base[:, :-1] * n / (n + 1))
+        np.testing.assert_allclose(res.theta[pi, -1], (n * base[:, -1] + 0.1) / (n + 1))
 
 
 def test_posterior_and_counts_consistent_after_refinement():
@@ -121,8 +122,11 @@ def oracle_cost(w, a, b, counts, num_clients, sigma, sigma0, mu0_vec, gamma, max
     for l in range(w.shape[0]):
         for i in range(size):
             m = min(counts[i], 10)
-            cost[l, i] = (np.sum((w[l] / s2 + a[i]) ** 2 / (1 / s2 + b[i])) - np.sum(a[i] ** 2 / b[i])
-                          + math.log(m / (num_clients - m)))
+            cost[l, i] = (
+                np.sum((w[l] / s2 + a[i]) ** 2 / (1 / s2 + b[i]))
+                - np.sum(a[i] ** 2 / b[i])
+                + math.log(m / (num_clients - m))
+            )
         for k in range(1, k_new + 1):
             cost[l, size + k - 1] = (np.sum((w[l] / s2 + mu0_vec / s02) ** 2 / (1 / s2 + 1 / s02))
                                      - np.sum((mu0_vec / s02) ** 2 * s02)
@@ -133,13 +137,14 @@ def oracle_cost(w, a, b, counts, num_clients, sigma, sigma0, mu0_vec, gamma, max
 def brute_force(cost):
     """Best total over every injective map of rows into columns, and all maps reaching it."""
     rows, cols = cost.shape
-    totals = {p: sum(cost[r, c] for r, c in enumerate(p)) for p in itertools.permutations(range(cols), rows)}
+    maps = itertools.permutations(range(cols), rows)
+    totals = {p: sum(cost[r, c] for r, c in enumerate(p)) for p in maps}
     best = max(totals.values())
     return best, [p for p, t in totals.items() if t > best - 1e-9]
 
 
 def partition(cols, size):
-    """Which rows go to which existing neuron, and which rows open new ones (new slots interchangeable)."""
+    """Rows per existing neuron, and rows opening new ones (the new slots are interchangeable)."""
     return tuple(int(c) if c < size else -1 for c in cols)
 
 
@@ -149,11 +154,13 @@ def test_cost_matrix_matches_formula():
     prior = GaussianPrior.build(dim, sigma, sigma0, mu0=0.2, mu0_bias=0.1)
     w = rng.standard_normal((4, dim))
     a = rng.standard_normal((5, dim))
-    b = rng.uniform(1.0, 4.0, (5, dim))
+    b = rng.uniform(1.0, 4.0, 5)  # one precision per neuron
     counts = np.array([1, 2, 3, 12, 4])
     for num_clients, max_neurons in [(13, 700), (13, 7), (13, 3)]:
         got = matching_cost(w, a, b, counts, num_clients, prior, gamma, max_neurons)
-        want = oracle_cost(w, a, b, counts, num_clients, sigma, sigma0, prior.mean, gamma, max_neurons)
+        want = oracle_cost(
+            w, a, b, counts, num_clients, sigma, sigma0, prior.mean, gamma, max_neurons
+        )
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -162,11 +169,11 @@ def test_hungarian_step_equals_brute_force(seed):
     rng = np.random.default_rng(seed)
     dim = 5
     w0 = 2.0 * rng.standard_normal((4, dim))
-    w1 = np.vstack([w0[[3, 1]] + 0.2 * rng.standard_normal((2, dim)), 2.0 * rng.standard_normal((1, dim))])
-    w1 = w1[rng.permutation(3)]
+    near = w0[[3, 1]] + 0.2 * rng.standard_normal((2, dim))  # close to two of client 0's neurons
+    w1 = np.vstack([near, 2.0 * rng.standard_normal((1, dim))])[rng.permutation(3)]
     # The cost of matching client 1 against the global layer seeded by client 0 (σ = σ0 = 1).
     mu = prior_mean(dim)
-    a, b, counts = mu + w0, np.full((4, dim), 2.0), np.ones(4, dtype=int)
+    a, b, counts = mu + w0, np.full(4, 2.0), np.ones(4, dtype=int)
     cost = oracle_cost(w1, a, b, counts, 2, 1.0, 1.0, mu, 7.0, 700)
     best, argmaxes = brute_force(cost)
     cols = assign(cost)
@@ -236,7 +243,8 @@ def mlp_weights(seed: int):
     with torch.no_grad():
         net[1].weight.mul_(10.0)  # hidden units far enough apart to beat γ's new-neuron prior
         net[1].bias.mul_(10.0)
-    return net, [p.detach().numpy().copy() for p in (net[1].weight, net[1].bias, net[3].weight, net[3].bias)]
+    params = (net[1].weight, net[1].bias, net[3].weight, net[3].bias)
+    return net, [p.detach().numpy().copy() for p in params]
 
 
 def forward(w1, b1, w2, b2, x):
@@ -255,6 +263,8 @@ def test_mlp_with_permuted_hidden_units():
     layers = [neurons_of(cw1, cb1, "fc") for cw1, cb1, _, _ in clients]
     res = bbp_map_match(layers)
     assert res.global_size == 8
+    # Default σ = σ0 = 1: identical clients give the shrunk mean (3 w + μ0) / 4.
+    np.testing.assert_allclose(res.theta[res.assignments[0]], (3 * layers[0] + prior_mean(7)) / 4)
 
     # Each client in the global order: its own neurons at its assignment, layer 2 permuted.
     for (cw1, cb1, cw2, cb2), layer, s in zip(clients, layers, res.assignments):
@@ -262,7 +272,8 @@ def test_mlp_with_permuted_hidden_units():
         full[s] = layer
         gw1, gb1 = split_neurons(full, 6, "fc")
         gw2 = permute_next_layer(cw2, s, res.global_size, "fc")
-        np.testing.assert_allclose(forward(gw1, gb1, gw2, cb2, x), reference, rtol=1e-12, atol=1e-12)
+        out = forward(gw1, gb1, gw2, cb2, x)
+        np.testing.assert_allclose(out, reference, rtol=1e-12, atol=1e-12)
         np.testing.assert_array_equal(slice_to_client(full, s), layer)
         np.testing.assert_array_equal(slice_next_layer(gw2, s, "fc"), cw2)
     # All clients' permuted second layers coincide: the matched layers line up.
@@ -272,7 +283,7 @@ def test_mlp_with_permuted_hidden_units():
     # With a sharp likelihood (σ << σ0) θ is the plain average, so the matched net is the original.
     sharp = bbp_map_match(layers, sigma=1e-3)
     gw1, gb1 = split_neurons(sharp.theta, 6, "fc")
-    gw2 = np.mean([permute_next_layer(c[2], s, 8) for c, s in zip(clients, sharp.assignments)], axis=0)
+    gw2 = np.mean([permute_next_layer(c[2], s, 8) for c, s in zip(clients, sharp.assignments)], 0)
     np.testing.assert_allclose(forward(gw1, gb1, gw2, b2, x), reference, rtol=1e-5, atol=1e-5)
 
 
@@ -288,7 +299,8 @@ def test_client_function_kept_when_global_layer_is_wider():
     gw1, gb1 = split_neurons(full, 6)
     gw2 = permute_next_layer(w2, s, res.global_size)
     x = np.random.default_rng(4).standard_normal((16, 6))
-    np.testing.assert_allclose(forward(gw1, gb1, gw2, b2, x), forward(w1, b1, w2, b2, x), rtol=1e-12)
+    want = forward(w1, b1, w2, b2, x)
+    np.testing.assert_allclose(forward(gw1, gb1, gw2, b2, x), want, rtol=1e-12)
 
 
 # --- last layer --------------------------------------------------------------------------------
@@ -382,10 +394,12 @@ def test_conv_to_fc_keeps_the_function():
         gconv, gfc = nn.Conv2d(2, global_size, 3).double(), nn.Linear(global_size * 9, 5).double()
         gconv.weight.copy_(torch.from_numpy(w))
         gconv.bias.copy_(torch.from_numpy(b))
-        gfc.weight.copy_(torch.from_numpy(permute_next_layer(fc.weight, assignment, global_size, "conv_to_fc", 9)))
+        patched = permute_next_layer(fc.weight, assignment, global_size, "conv_to_fc", 9)
+        gfc.weight.copy_(torch.from_numpy(patched))
         gfc.bias.copy_(fc.bias)
         np.testing.assert_allclose(net(gconv, gfc).numpy(), reference, rtol=1e-12, atol=1e-12)
-        np.testing.assert_array_equal(slice_to_client(gconv.weight, assignment), conv.weight.numpy())
+        own = slice_to_client(gconv.weight, assignment)
+        np.testing.assert_array_equal(own, conv.weight.numpy())
 
 
 def test_bad_assignment_rejected():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, Union
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from fedsim.data.base import ArrayDataset
 from fedsim.registry import Params
@@ -69,7 +69,11 @@ class SouthwestEdge(Params):
     target_class: int = Field(9, description="9 = truck, as in the paper's main pipeline")
 
 
-EdgeSpec = Annotated[Union[TailEdge, ArdisEdge, SouthwestEdge], Field(discriminator="name")]
+EdgeSpec = Annotated[
+    Union[TailEdge, ArdisEdge, SouthwestEdge],
+    Field(discriminator="name"),
+    BeforeValidator(lambda v: {"name": v} if isinstance(v, str) else v),  # `edge_set: ardis` shorthand
+]
 
 
 def _transform(images: np.ndarray, spec: TailEdge, rng: np.random.Generator) -> np.ndarray:
