@@ -137,7 +137,7 @@ class ScenarioStrategy(Strategy):
         total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
         model_record = pack_model(self.global_vec, self.layout)
         groups, shard_of = self._groups(sampled)
-        messages, down = [], 0
+        messages, down, down_per_client = [], 0, {}
         for pid in sampled:
             cfg = {"server-round": server_round, "lr": self.rt.lr(server_round)}
             if self.lowrank.ranks:
@@ -151,11 +151,16 @@ class ScenarioStrategy(Strategy):
                 dst_node_id=self.node_of[pid],
                 message_type=MessageType.TRAIN,
             )
-            down += message_bytes(msg)
+            size = message_bytes(msg)
+            down += size
+            down_per_client[pid] = size
             if self.checkpoint_dir is not None:  # simulation plumbing, not device traffic: not counted
                 msg.content["config"]["checkpoint-dir"] = str(self.checkpoint_dir)
             messages.append(msg)
-        self.pending = {"round": server_round, "sampled": sampled, "attackers": strikers, "bytes_down": down}
+        self.pending = {
+            "round": server_round, "sampled": sampled, "attackers": strikers,
+            "bytes_down": down, "bytes_down_per_client": down_per_client,
+        }
         if groups:
             self.pending["groups"] = groups
         return messages
@@ -181,12 +186,15 @@ class ScenarioStrategy(Strategy):
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
         pid_of = {node: pid for pid, node in self.node_of.items()}
         rows, rejected, up, losses = [], {}, 0, {}
+        up_per_client = self.pending.setdefault("bytes_up_per_client", {})
         for reply in replies:
             pid = pid_of.get(reply.metadata.src_node_id, -1)
             if reply.has_error():
                 rejected[pid] = f"client error: {reply.error.reason}"
                 continue
-            up += message_bytes(reply)
+            size = message_bytes(reply)
+            up += size
+            up_per_client[pid] = size
             try:
                 update, weight, loss = decode_upload(reply.content, self.rt.codec, self.layout)
             except PayloadError as err:

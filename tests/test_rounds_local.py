@@ -39,6 +39,10 @@ def test_rounds_written_with_every_key(tmp_path):
     assert [bool(r["attackers"]) for r in rounds] == [True, False, True, False]  # every 2 rounds from round 1
     # uploads are float32 updates of the 4810-parameter MLP: at least 4 bytes per parameter per client
     assert all(r["bytes_up"] >= 5 * 4 * 4810 and r["bytes_down"] >= 5 * 4 * 4810 for r in rounds)
+    for r in rounds:  # per client, and summing to the round's totals
+        assert sorted(map(int, r["bytes_up_per_client"])) == r["sampled"]
+        assert sum(r["bytes_up_per_client"].values()) == r["bytes_up"]
+        assert sum(r["bytes_down_per_client"].values()) == r["bytes_down"]
     assert summary["rounds_completed"] == 4 and (run_dir / "scenario.yaml").exists()
     assert summary["attack"]["density_check"]["median_percentile"] < 5
 
