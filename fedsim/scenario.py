@@ -57,6 +57,7 @@ class FederationSection(Section):
     weight_decay: float = Field(0.0, ge=0)
     client_cpus: float = Field(1.0, gt=0, description="CPUs per Ray client actor (1 on 2 cores gives 2 actors)")
     round_timeout: float = Field(600.0, gt=0, description="seconds to wait for a round's replies")
+    min_replies: int = Field(1, ge=1, description="skip the round (logged) when fewer valid updates arrive")
 
 
 class InitSection(Section):

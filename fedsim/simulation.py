@@ -46,10 +46,11 @@ def backend_config(scenario, verbose: bool) -> dict:
     }
 
 
-def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progress=None) -> Path:
+def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progress=None, client_app=None) -> Path:
     """Run `scenario` on Ray-simulated clients; returns the run folder.
 
     A `run_dir` that already holds completed rounds (and checkpoints) is resumed, not restarted.
+    `client_app` replaces the scenario's ClientApp (tests inject failing clients this way).
     """
     from flwr.simulation import run_simulation
 
@@ -61,7 +62,7 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
     run_simulation(
         server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints),
-        client_app=make_client_app(scenario),
+        client_app=client_app if client_app is not None else make_client_app(scenario),
         num_supernodes=scenario.federation.num_clients,
         backend_name="ray",
         backend_config=backend_config(scenario, verbose),

@@ -222,8 +222,11 @@ class ScenarioStrategy(Strategy):
         record["attacker_update_norms"] = {pid: v for pid, v in norms.items() if pid in strikers}
         honest = sorted(v for pid, v in norms.items() if pid not in strikers)
         record["honest_update_norm_median"] = float(np.median(honest)) if honest else None
-        if not rows:
-            record["skipped"] = "no valid updates"
+        if len(rows) < self.scenario.federation.min_replies:
+            record["skipped"] = (
+                f"{len(rows)} valid updates, fewer than federation.min_replies={self.scenario.federation.min_replies}"
+            )
+            log.warning("round %s skipped: %s", server_round, record["skipped"])
             return None, None
         batch = UpdateBatch(
             torch.stack([u for _, u, _ in rows]),

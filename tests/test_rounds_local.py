@@ -108,3 +108,15 @@ def test_initial_evaluation_writes_round_zero(tmp_path):
     assert rounds[0]["main_accuracy"] is not None and rounds[0]["sampled"] == []
     # evaluated every 2nd round and always the last one
     assert [r.get("main_accuracy") is not None for r in rounds] == [True, False, True, False, True]
+
+
+def test_too_few_replies_skip_the_round_with_a_message(tmp_path):
+    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["federation.min_replies=5"])
+    run_dir = new_run_dir(scenario, tmp_path)
+    run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients, fail={0, 1, 2, 3}), scenario, run_dir)
+    for r in read_rounds(run_dir):
+        failed = set(r["sampled"]) & {0, 1, 2, 3}
+        if failed:
+            assert r["skipped"] and "min_replies=5" in r["skipped"]
+        else:
+            assert r["skipped"] is None
