@@ -1,4 +1,6 @@
-"""Time per aggregation of the robust rules; Krum's Gram product against a per-pair loop.
+"""Time per aggregation of the robust rules at LeNet size, next to one X @ X.T on the same data.
+
+Also Krum's Gram product against a per-pair loop.
 
 Run: `.venv/bin/python benchmarks/aggregators.py [--quick]`. Prints median wall-clock times of a few
 repeats with torch on 2 threads, and ratios measured in the same run. Asserts nothing about time.
@@ -56,13 +58,15 @@ def fits_in_memory(n: int, d: int) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n in {10, 50}, d = 1e5 only")
+    parser.add_argument("--extra-d", type=int, nargs="*", default=[], help="further update sizes to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     sizes_n = [10, 50] if args.quick else [10, 50, 100, 200]
-    sizes_d = [100_000] if args.quick else [100_000, 1_000_000]
+    lenet_d = 1_199_882  # the LeNet of Attack of the Tails
+    sizes_d = [100_000] if args.quick else [lenet_d] + list(args.extra_d)
     naive_max_n = 50
     entries = [AGGREGATORS.get(name) for name in RULES]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -78,17 +82,24 @@ def main() -> None:
         print(f"\nd = {d:.0e}: ms per aggregation (default params)")
         print(f"{'rule':<14}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
         cells: dict[str, list[str]] = {e.name: [] for e in entries}
+        cells["X @ X.T"] = []
+        ratios: dict[str, list[str]] = {e.name: [] for e in entries}
         for n in sizes_n:
             if not fits_in_memory(n, d):
-                for e in entries:
-                    cells[e.name].append("skipped")
+                for name in cells:
+                    cells[name].append("skipped")
+                for name in ratios:
+                    ratios[name].append("-")
                 continue
             updates = torch.randn(n, d, generator=gen)
             weights = torch.randint(10, 500, (n,), generator=gen).float()
+            gram = median_seconds(lambda: updates @ updates.T, args.repeats)
+            cells["X @ X.T"].append(f"{gram * 1e3:.1f}")
             for e in entries:
                 params = e.params().model_dump()
                 secs = median_seconds(lambda: e.obj(updates, weights, **params), args.repeats)
                 cells[e.name].append(f"{secs * 1e3:.1f}")
+                ratios[e.name].append(f"{secs / gram:.2f}")
             if n <= naive_max_n:  # the loop is slow and its run-to-run noise small: time it once
                 krum = AGGREGATORS.get("krum").obj
                 fast = median_seconds(lambda: krum(updates, weights), args.repeats)
@@ -96,6 +107,10 @@ def main() -> None:
                 naive_rows.append((n, d, fast, slow))
             del updates
         for name, row in cells.items():
+            print(f"{name:<14}" + "".join(f"{c:>11}" for c in row))
+        print(f"\nd = {d:.0e}: time per aggregation / time of one X @ X.T (same data, same run)")
+        print(f"{'rule':<14}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
+        for name, row in ratios.items():
             print(f"{name:<14}" + "".join(f"{c:>11}" for c in row))
 
     print("\nkrum: one Gram product vs a Python loop over pairs (same run)")
