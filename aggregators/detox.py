@@ -299,27 +299,9 @@ def detox_with_info(
 
 
 @AGGREGATORS.register("detox", DetoxParams)
-def detox(
-    updates: torch.Tensor,
-    weights: torch.Tensor,
-    *,
-    groups: Sequence[Sequence[int]] | None = None,
-    group_size: int = 3,
-    inner: Any = DEFAULT_INNER,
-    super_group_size: int | None = None,
-    redundancy: bool = True,
-) -> torch.Tensor:
+def detox(updates: torch.Tensor, weights: torch.Tensor, **params: Any) -> torch.Tensor:
     """DETOX: majority vote inside redundant client groups, then a robust rule across groups."""
-    out, _ = detox_with_info(
-        updates,
-        weights,
-        groups=groups,
-        group_size=group_size,
-        inner=inner,
-        super_group_size=super_group_size,
-        redundancy=redundancy,
-    )
-    return out
+    return detox_with_info(updates, weights, **params)[0]
 
 
 # What the strategy needs to know: it forms the groups (and gives members the same data) and logs the vote.
