@@ -79,7 +79,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     naive_rows = []
     for d in sizes_d:
-        print(f"\nd = {d:.0e}: ms per aggregation (default params)")
+        print(f"\nd = {d:,}: ms per aggregation (default params)")
         print(f"{'rule':<14}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
         cells: dict[str, list[str]] = {e.name: [] for e in entries}
         cells["X @ X.T"] = []
@@ -108,7 +108,7 @@ def main() -> None:
             del updates
         for name, row in cells.items():
             print(f"{name:<14}" + "".join(f"{c:>11}" for c in row))
-        print(f"\nd = {d:.0e}: time per aggregation / time of one X @ X.T (same data, same run)")
+        print(f"\nd = {d:,}: time per aggregation / time of one X @ X.T (same data, same run)")
         print(f"{'rule':<14}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
         for name, row in ratios.items():
             print(f"{name:<14}" + "".join(f"{c:>11}" for c in row))
