@@ -48,7 +48,6 @@ from typing import Any
 import numpy as np
 import torch
 from pydantic import BaseModel, Field, SerializeAsAny, field_validator
-from scipy.stats import hypergeom
 
 from aggregators.base import AggregationError, check_inputs
 from fedsim.registry import AGGREGATORS, Params
@@ -227,6 +226,8 @@ def expected_bad_groups(P: int, q: int, r: int) -> float:
 
     Each group is a uniform r-subset, so by linearity: (P / r) * P[Hypergeom(P, q, r) > r / 2].
     """
+    from scipy.stats import hypergeom  # imported here: scipy.stats costs ~1 s at start-up
+
     return (P // r) * float(hypergeom(P, q, r).sf(r // 2))
 
 

@@ -23,7 +23,6 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 from pydantic import Field
-from scipy.optimize import linear_sum_assignment
 
 from fedsim.registry import Params
 
@@ -180,6 +179,8 @@ def matching_cost(
 
 def assign(cost: np.ndarray) -> np.ndarray:
     """Column of each row under the maximum-gain injective assignment (Hungarian on -cost)."""
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(-cost)
     out = np.empty(cost.shape[0], dtype=np.int64)
     out[rows] = cols

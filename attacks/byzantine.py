@@ -17,7 +17,6 @@ from typing import Literal
 
 import torch
 from pydantic import Field
-from scipy.stats import norm
 
 from attacks.base import AttackParams, ServerAttack
 from fedsim.registry import ATTACKS
@@ -118,6 +117,8 @@ def alie_z_max(n: int, f: int) -> float:
     s = math.floor(n / 2 + 1) - f
     if s <= 0:
         raise ValueError(f"alie: f={f} attackers of n={n} already form a majority (s={s}); set z explicitly")
+    from scipy.stats import norm  # imported here: scipy.stats costs ~1 s at start-up
+
     return float(norm.ppf((n - s) / n))
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 from pydantic import Field
-from sklearn.cluster import HDBSCAN
 
 from defenses.base import Defense
 from defenses.clipping import clip_log, clip_rows, gaussian_like
@@ -55,6 +54,8 @@ def majority_cluster(dist: np.ndarray, min_cluster_size: int, min_samples: int) 
     n = dist.shape[0]
     if n < 3:
         return np.ones(n, dtype=bool), f"{n} updates are too few to cluster; all kept"
+    from sklearn.cluster import HDBSCAN  # imported here: scikit-learn costs ~1 s at start-up
+
     labels = HDBSCAN(
         min_cluster_size=min(max(min_cluster_size, 2), n),
         min_samples=min(min_samples, n),

@@ -11,12 +11,12 @@ import functools
 import hashlib
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from fedsim.data.base import ArrayDataset, resolve_data_dir
+from fedsim.diskcache import cache_dir, cached_arrays, folder_fingerprint, key_of
 from fedsim.models.layout import ModelLayout
 from fedsim.models.lowrank import build_factorized
 from fedsim.registry import ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS
@@ -37,7 +37,15 @@ class Runtime:
             entry = DATASETS.get(name)
             params = spec if spec is not None else entry.params()
             data_dir = None if name == "digits" else resolve_data_dir(self.scenario.data.dir)
-            self.cache[key] = entry.obj(data_dir, params)
+
+            def load() -> dict[str, np.ndarray]:
+                d = entry.obj(data_dir, params)
+                return {"x_train": d.x_train, "y_train": d.y_train, "x_test": d.x_test, "y_test": d.y_test,
+                        "num_classes": np.array([d.num_classes])}
+
+            disk_key = key_of(name, params.model_dump(mode="json"), folder_fingerprint(data_dir), versions())
+            a = cached_arrays("dataset", disk_key, load)
+            self.cache[key] = ArrayDataset(name, a["x_train"], a["y_train"], a["x_test"], a["y_test"], int(a["num_classes"][0]))
         return self.cache[key]
 
     @functools.cached_property
@@ -49,7 +57,15 @@ class Runtime:
     def partitions(self) -> list[np.ndarray]:
         spec = self.scenario.data.partition
         fn = PARTITIONERS.get(spec.name).obj
-        return fn(self.data.y_train, self.scenario.federation.num_clients, self.scenario.seed, spec)
+        labels, n, seed = self.data.y_train, self.scenario.federation.num_clients, self.scenario.seed
+
+        def compute() -> dict[str, np.ndarray]:
+            parts = fn(labels, n, seed, spec)
+            return {"indices": np.concatenate(parts), "sizes": np.array([len(p) for p in parts])}
+
+        key = key_of(hashlib.sha256(labels.tobytes()).hexdigest(), spec.model_dump(mode="json"), n, seed, versions())
+        a = cached_arrays("partition", key, compute)
+        return np.split(a["indices"], np.cumsum(a["sizes"])[:-1])
 
     def client_data(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
         """An honest client's training data: its partition, plus whatever the scenario gives honest
@@ -139,9 +155,11 @@ class Runtime:
         return fed.lr * fed.lr_decay ** (rnd - 1)
 
 
-def cache_dir() -> Path:
-    """Where derived artefacts (pre-trained initial models) are cached: $FEDSIM_CACHE_DIR or ~/.cache/fedsim."""
-    return Path(os.environ.get("FEDSIM_CACHE_DIR", Path.home() / ".cache" / "fedsim"))
+def versions() -> list[str]:
+    """Library versions a cached result depends on (a new partitioner version may split differently)."""
+    from importlib.metadata import version  # reads package metadata: imports nothing heavy
+
+    return [version("fedsim"), version("flwr-datasets"), version("scikit-learn"), version("numpy")]
 
 
 def scenario_key(scenario) -> str:

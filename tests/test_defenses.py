@@ -159,7 +159,9 @@ def test_flame_keeps_everyone_when_hdbscan_finds_no_cluster(monkeypatch):
             self.labels_ = np.full(dist.shape[0], -1)
             return self
 
-    monkeypatch.setattr(flame_mod, "HDBSCAN", AllNoise)
+    import sklearn.cluster
+
+    monkeypatch.setattr(sklearn.cluster, "HDBSCAN", AllNoise)  # flame imports it at call time
     batch, ctx = flame_round()
     out, log = Flame(FlameParams()).before(batch, ctx)
     assert out.client_ids == batch.client_ids and log["removed"] == [] and "note" in log
