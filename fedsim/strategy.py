@@ -30,7 +30,7 @@ from fedsim.metrics import CentralEvaluator
 from fedsim.registry import AGGREGATORS, DEFENSES
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.updates import RoundContext, UpdateBatch
-from fedsim.wire import decode_upload, message_bytes, pack_model
+from fedsim.wire import decode_upload, message_bytes, pack_model, records_bytes
 
 log = logging.getLogger("fedsim")
 
@@ -133,9 +133,11 @@ class ScenarioStrategy(Strategy):
             )
         else:
             sampled, strikers = sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
-        # what Attack of the Tails' replacement attacker is assumed to know: the round's total data
-        total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
+        client_strikers = strikers if self.rt.attack is not None and self.rt.attack.side == "client" else []
+        if client_strikers:  # what Attack of the Tails' replacement attacker is assumed to know
+            total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
         model_record = pack_model(self.global_vec, self.layout)
+        model_bytes = records_bytes({"arrays": model_record})  # the same model goes to everyone: size it once
         groups, shard_of = self._groups(sampled)
         messages, down, down_per_client = [], 0, {}
         for pid in sampled:
@@ -144,14 +146,15 @@ class ScenarioStrategy(Strategy):
                 cfg["model-ranks"] = json.dumps(self.lowrank.ranks, sort_keys=True)
             if pid in shard_of:
                 cfg["data-partition"] = shard_of[pid]
-            if pid in strikers and self.rt.attack.side == "client":
+            if pid in client_strikers:
                 cfg["round_total_examples"] = total_examples
+            config_record = ConfigRecord(cfg)
             msg = Message(
-                RecordDict({"arrays": model_record, "config": ConfigRecord(cfg)}),
+                RecordDict({"arrays": model_record, "config": config_record}),
                 dst_node_id=self.node_of[pid],
                 message_type=MessageType.TRAIN,
             )
-            size = message_bytes(msg)
+            size = model_bytes + records_bytes({"config": config_record})
             down += size
             down_per_client[pid] = size
             if self.checkpoint_dir is not None:  # simulation plumbing, not device traffic: not counted

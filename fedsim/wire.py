@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from fedsim.compression.base import PayloadError
 from fedsim.models.layout import ModelLayout
@@ -69,6 +69,14 @@ def decode_upload(content, codec, layout: ModelLayout) -> tuple[torch.Tensor, fl
     if not torch.isfinite(update).all():
         raise PayloadError("update contains NaN or Inf")
     return update, weight, loss
+
+
+def records_bytes(records: dict) -> int:
+    """Serialized size of a RecordDict holding `records`; sizes of disjoint record sets add up exactly
+    (each record is its own protobuf map entry), so a shared model record is sized once per round."""
+    from flwr.common.serde import recorddict_to_proto
+
+    return recorddict_to_proto(RecordDict(records)).ByteSize()
 
 
 def message_bytes(msg: Message) -> int:

@@ -80,3 +80,16 @@ def test_readme_component_table_is_generated_from_the_registries():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = readme.split("<!-- components:start -->\n")[1].split("<!-- components:end -->")[0]
     assert table == component_table_markdown(), "run `fedsim list --markdown` and paste it into the README"
+
+
+def test_model_record_sized_once_adds_up_to_the_whole_message():
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    import local_grid  # noqa: F401  (lets Messages be built outside a Flower runtime)
+    from fedsim.wire import records_bytes
+
+    arrays = ArrayRecord(array_dict={"w": Array(np.random.rand(777).astype(np.float32))})
+    config = ConfigRecord({"server-round": 3, "lr": 0.1, "data-partition": 4})
+    whole = records_bytes({"arrays": arrays, "config": config})
+    assert whole == records_bytes({"arrays": arrays}) + records_bytes({"config": config}) > 4 * 777
