@@ -86,7 +86,6 @@ def test_model_record_sized_once_adds_up_to_the_whole_message():
     import numpy as np
     from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-    import local_grid  # noqa: F401  (lets Messages be built outside a Flower runtime)
     from fedsim.wire import records_bytes
 
     arrays = ArrayRecord(array_dict={"w": Array(np.random.rand(777).astype(np.float32))})
