@@ -10,5 +10,6 @@ from aggregators.base import AggregationError
 from aggregators import fedavg  # noqa: F401  (registers)
 from aggregators import krum, coordinate, bulyan, rfa  # noqa: F401  (register)
 from aggregators import detox  # noqa: F401  (registers; nests the rules above)
+from aggregators import fedma  # noqa: F401  (registers the layer-wise FedMA protocol)
 
 __all__ = ["AggregationError"]

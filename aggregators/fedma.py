@@ -1,7 +1,9 @@
 """FedMA's matching core: BBP-MAP neuron matching and the layer bookkeeping around it (§2).
 
 Pure numpy/scipy functions; the layer-wise protocol (broadcast, freeze, retrain, next layer) is
-driven by the strategy. FedMA is not an [n, d] rule, so nothing here is registered in AGGREGATORS.
+driven by `fedsim.fedma_strategy`, several Flower message exchanges per round. FedMA is not an
+[n, d] rule: its registry entry (`aggregator: {name: fedma}`) is marked `layerwise`, and the
+server picks the FedMA strategy for it.
 
 Conventions:
 - A layer is a matrix [L, D] with one row per neuron (output unit / conv filter): its incoming
@@ -24,7 +26,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 from pydantic import Field
 
-from fedsim.registry import Params
+from fedsim.registry import AGGREGATORS, Params
 
 Kind = Literal["fc", "conv", "conv_to_fc"]
 
@@ -47,6 +49,10 @@ class FedMAParams(Params):
     )
     retrain_epochs: int = Field(20, ge=0, description="local epochs retraining the unfrozen layers")
     retrain_lr: float = Field(0.01, gt=0, description="SGD lr (momentum 0.9) of local retraining")
+    local_init: bool = Field(
+        True, description="round 1 starts from independently initialised client models (the official code), "
+        "not from the global initial model"
+    )
 
     def match_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `bbp_map_match` that these parameters set."""
@@ -410,3 +416,15 @@ def average_last_layer(
             f"shapes disagree: weights {w.shape}, biases {b.shape}, class_counts {share.shape}"
         )
     return np.einsum("jc,jch->ch", share, w), (share * b).sum(axis=0)
+
+
+@AGGREGATORS.register("fedma", FedMAParams)
+def fedma(updates, weights, **params):
+    """FedMA matched averaging (Wang et al. 2020): layer-wise BBP-MAP matching with retraining."""
+    raise TypeError(
+        "fedma is a layer-wise protocol over several message exchanges, not an [n, d] rule; "
+        "the server runs it through fedsim.fedma_strategy.FedMAStrategy"
+    )
+
+
+fedma.layerwise = True  # the server runs FedMAStrategy for this aggregator

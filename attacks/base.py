@@ -110,3 +110,9 @@ class ClientAttack(Attack):
     def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
         """Transform the attacker's finished update; `info` carries the round's config."""
         return delta
+
+    def poisons_data_only(self) -> bool:
+        """True when the attack only changes the training data (no training hook, no update
+        transform): such an attacker can follow any protocol, FedMA's layer-wise one included."""
+        cls = type(self)
+        return cls.after_step is ClientAttack.after_step and cls.finish_update is ClientAttack.finish_update

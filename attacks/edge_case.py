@@ -94,6 +94,9 @@ class EdgeCaseBackdoor(ClientAttack):
             return 1.0
         return replacement_factor(info["round_total_examples"], info["num_examples"])
 
+    def poisons_data_only(self) -> bool:
+        return self.params.mode == "blackbox"
+
     def after_step(self, model, global_vec, layout, batch: int, last: bool, info: dict) -> None:
         if self.params.mode == "blackbox":
             return

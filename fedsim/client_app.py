@@ -91,6 +91,10 @@ def make_client_app(scenario=None) -> ClientApp:
         rt = runtime_for(scenario_for_node(scenario if scenario is not None else scenario_from_context(context), context))
         pid = partition_id(context)
         config = msg.content["config"]
+        if "fedma-step" in config:  # one exchange of FedMA's layer-wise protocol
+            from fedsim.fedma_client import fedma_train
+
+            return fedma_train(rt, pid, msg, context)
         rnd = int(config["server-round"])
         layout = rt.layout_for(model_ranks(config))
         global_vec = unpack_model(msg.content["arrays"], layout)

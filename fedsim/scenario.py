@@ -112,6 +112,42 @@ class OutputSection(Section):
     checkpoints: bool = Field(True, description="save server and client state every round, so `--resume` works")
 
 
+def fedma_conflicts(sc) -> None:
+    """Settings FedMA's layer-wise matching cannot work with, refused before anything runs."""
+    from fedsim.models.nets import RESIZABLE
+    from fedsim.registry import ATTACKS
+
+    both = "aggregator.name=fedma"
+    if sc.lowrank is not None:
+        raise ValueError(f"{both} matches the neurons of full layers; lowrank.name={sc.lowrank.name} factorizes them: drop one")
+    if sc.compression.name != "none":
+        raise ValueError(
+            f"{both} uploads whole layers whose width changes every exchange; compression.name={sc.compression.name} "
+            "encodes fixed-shape model updates: set compression to none"
+        )
+    if sc.defenses:
+        raise ValueError(
+            f"{both} aggregates layers of varying width, not [n, d] updates; defenses={[d.name for d in sc.defenses]} "
+            "need the latter: remove them"
+        )
+    if sc.model.name not in RESIZABLE:
+        raise ValueError(f"{both} grows hidden layers; model.name={sc.model.name} cannot be resized (allowed: {list(RESIZABLE)})")
+    if sc.attack is not None:
+        attack = ATTACKS.get(sc.attack.name).obj(sc.attack)
+        if attack.side != "client" or not attack.poisons_data_only():
+            mode = getattr(sc.attack, "mode", None)
+            what = f"attack.name={sc.attack.name}" + (f" (mode {mode})" if mode else "")
+            raise ValueError(
+                f"{both} supports data-poisoning attackers only; {what} needs the [n, d] update protocol "
+                "(server-side crafting, PGD projection or update scaling)"
+            )
+    if sc.aggregator.local_init and (sc.init.checkpoint or sc.init.pretrain_epochs):
+        raise ValueError(
+            "aggregator.local_init=true starts every client from its own initialisation, so init.checkpoint / "
+            "init.pretrain_epochs would be ignored: set aggregator.local_init=false to start from them"
+        )
+
+
 def build_scenario_model() -> type[BaseModel]:
     """The Scenario model, with component unions over everything registered now."""
 
@@ -150,6 +186,8 @@ def build_scenario_model() -> type[BaseModel]:
                 )
             if self.attack is not None:
                 self.attack.resolve_attackers(fed.num_clients, self.seed)
+            if self.aggregator.name == "fedma":
+                fedma_conflicts(self)
             if self.lowrank is not None:
                 stateful = [d.name for d in self.defenses if d.name == "foolsgold"]
                 if stateful:

@@ -20,4 +20,4 @@ def numpy_rng(*keys: int) -> np.random.Generator:
 
 
 # purposes, so that streams for different uses never coincide
-TRAIN, SAMPLE, SERVER = 1, 2, 3
+TRAIN, SAMPLE, SERVER, INIT = 1, 2, 3, 4

@@ -8,10 +8,20 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedsim.checkpoint import client_dir, load_server, server_dir
+from fedsim.registry import AGGREGATORS
 from fedsim.results import append_round, new_run_dir, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
 from fedsim.strategy import ScenarioStrategy
 from fedsim.wire import pack_model
+
+
+def strategy_class(scenario) -> type[ScenarioStrategy]:
+    """FedMA's layer-wise protocol needs its own strategy; every [n, d] rule runs in ScenarioStrategy."""
+    if getattr(AGGREGATORS.get(scenario.aggregator.name).obj, "layerwise", False):
+        from fedsim.fedma_strategy import FedMAStrategy
+
+        return FedMAStrategy
+    return ScenarioStrategy
 
 
 def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: bool = False) -> dict:
@@ -28,7 +38,7 @@ def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: 
         if progress is not None:
             progress(record)
 
-    strategy = ScenarioStrategy(rt, on_round=on_round, checkpoint_dir=server_dir(run_dir) if checkpoints else None)
+    strategy = strategy_class(scenario)(rt, on_round=on_round, checkpoint_dir=server_dir(run_dir) if checkpoints else None)
     done = prepare_resume(run_dir, strategy) if checkpoints else 0
     if done >= fed.rounds:
         return finish(run_dir, scenario, rt)

@@ -412,7 +412,7 @@ def test_bad_assignment_rejected():
 # --- parameters --------------------------------------------------------------------------------
 
 
-def test_params_defaults_and_not_an_aggregator():
+def test_params_defaults_and_registered_as_layerwise():
     from fedsim.registry import AGGREGATORS
 
     p = FedMAParams()
@@ -421,4 +421,7 @@ def test_params_defaults_and_not_an_aggregator():
     assert all(f.description for f in FedMAParams.model_fields.values())
     layers = permuted_clients(np.random.default_rng(0).standard_normal((3, 4)) * 10, 2, 0.0, 0)[1]
     assert bbp_map_match(layers, **p.match_kwargs()).global_size == 3
-    assert "fedma" not in AGGREGATORS.names()
+    entry = AGGREGATORS.get("fedma")
+    assert entry.obj.layerwise and entry.params is FedMAParams
+    with pytest.raises(TypeError, match="layer-wise"):
+        entry.obj(torch.zeros(2, 3), torch.ones(2))

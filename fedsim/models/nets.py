@@ -41,15 +41,19 @@ class LeNet(nn.Module):
     FC 128→classes. On 28x28 inputs the first FC is 9216→128, as in `fl_trainer.Net`.
     """
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, dropout: bool = True) -> None:
+    def __init__(
+        self, input_shape: tuple[int, ...], num_classes: int, dropout: bool = True,
+        widths: tuple[int, int, int] = (32, 64, 128),
+    ) -> None:
         super().__init__()
         c, h, w = input_shape
-        self.conv1 = nn.Conv2d(c, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        c1, c2, hidden = widths  # other widths only for FedMA's matched (grown) models
+        self.conv1 = nn.Conv2d(c, c1, 3, 1)
+        self.conv2 = nn.Conv2d(c1, c2, 3, 1)
         self.dropout1 = nn.Dropout(0.25 if dropout else 0.0)
         self.dropout2 = nn.Dropout(0.5 if dropout else 0.0)
-        self.fc1 = nn.Linear(64 * ((h - 4) // 2) * ((w - 4) // 2), 128)
-        self.fc2 = nn.Linear(128, num_classes)
+        self.fc1 = nn.Linear(c2 * ((h - 4) // 2) * ((w - 4) // 2), hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.conv1(x))
@@ -75,17 +79,43 @@ VGG9_CFG = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 
 @MODELS.register("vgg9", Vgg9Params)
-def vgg9(input_shape: tuple[int, ...], num_classes: int, params: Vgg9Params) -> nn.Module:
+def vgg9(
+    input_shape: tuple[int, ...], num_classes: int, params: Vgg9Params, widths: tuple[int, ...] | None = None
+) -> nn.Module:
     """Attack of the Tails' VGG-9 for CIFAR-10: 8 3x3 convs, no BatchNorm, one FC 512→classes."""
     if len(input_shape) != 3 or input_shape[1] != 32 or input_shape[2] != 32:
         raise ValueError(f"vgg9 expects 32x32 images [C, 32, 32], got {input_shape}")
+    convs = iter(widths or [v for v in VGG9_CFG if v != "M"])  # other widths only for FedMA
     layers: list[nn.Module] = []
     channels = input_shape[0]
     for v in VGG9_CFG:
         if v == "M":
             layers.append(nn.MaxPool2d(2, 2))
         else:
-            layers += [nn.Conv2d(channels, v, 3, padding=1), nn.ReLU(inplace=True)]
-            channels = v
-    layers += [nn.AvgPool2d(1, 1), nn.Flatten(), nn.Linear(512, num_classes)]
+            width = next(convs)
+            layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(inplace=True)]
+            channels = width
+    layers += [nn.AvgPool2d(1, 1), nn.Flatten(), nn.Linear(channels, num_classes)]
     return nn.Sequential(*layers)
+
+
+def resized(name: str, input_shape: tuple[int, ...], num_classes: int, params, widths: tuple[int, ...]) -> nn.Module:
+    """The registered net `name` with other hidden widths (FedMA's matched layers may grow).
+
+    `widths` are the output sizes of every layer but the last, in forward order.
+    """
+    widths = tuple(int(w) for w in widths)
+    if name == "mlp":
+        return mlp(input_shape, num_classes, params.model_copy(update={"hidden": list(widths)}))
+    if name == "lenet":
+        if len(widths) != 3:
+            raise ValueError(f"lenet has 3 hidden layers (conv1, conv2, fc1), got widths {widths}")
+        return LeNet(input_shape, num_classes, params.dropout, widths)
+    if name == "vgg9":
+        if len(widths) != 8:
+            raise ValueError(f"vgg9 has 8 conv layers, got widths {widths}")
+        return vgg9(input_shape, num_classes, params, widths)
+    raise ValueError(f"model {name!r} cannot be resized; resizable: {sorted(RESIZABLE)}")
+
+
+RESIZABLE = ("lenet", "mlp", "vgg9")

@@ -1,0 +1,264 @@
+"""FedMA with communication (Wang et al., ICLR 2020) as a Flower strategy: K+1 message exchanges
+per round for a network with K matched layers.
+
+Round t, with the sampled clients J:
+1. "local": every client trains its model (round 1: its own initialisation; later: the global
+   model sliced to its own neurons with its assignments from round t-1; a client that missed
+   round t-1 gets the whole global model) and uploads layer 0.
+2. For l = 0..K-1: BBP-MAP matches layer l over the uploads (scipy's Hungarian inside); the
+   matched layer and each client's assignment go back; the client freezes layers <= l, retrains
+   the rest and uploads layer l+1.
+3. The output layer (uploaded in the last exchange, already in the global order of layer K-1) is
+   averaged per class, weighted by each client's share of that class's samples.
+
+The global model's hidden widths may grow; its shape travels in the messages. A client whose
+reply is missing or malformed in any exchange is dropped for the rest of the round (logged with
+the reason in rounds.jsonl), and the round carries on with the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from aggregators.fedma import average_last_layer, bbp_map_match
+from fedsim.checkpoint import save_server
+from fedsim.fedma_arch import State, num_params
+from fedsim.fedma_client import arch_for, record_to_state, state_to_record
+from fedsim.models.layout import ModelLayout
+from fedsim.seeding import SERVER, derive_seed
+from fedsim.strategy import ScenarioStrategy
+from fedsim.wire import message_bytes, records_bytes
+
+log = logging.getLogger("fedsim")
+
+ROW_CAP_FACTOR = 4  # an upload may hold at most this many times max(max_neurons, default width) neurons
+
+
+class UploadError(ValueError):
+    """A FedMA reply that is missing, malformed or of the wrong shape."""
+
+
+class FedMAStrategy(ScenarioStrategy):
+    def __init__(self, runtime, on_round=None, checkpoint_dir=None) -> None:
+        super().__init__(runtime, on_round=on_round, checkpoint_dir=checkpoint_dir)
+        self.arch = arch_for(runtime)
+        self.params = self.scenario.aggregator
+        self._layouts: dict[tuple[int, ...], ModelLayout] = {}
+        default = self.arch.build(self._default_widths())
+        self.template = {k: tuple(v.shape) for k, v in default.state_dict().items()}
+        self.widths = self._default_widths()
+        self.initial_params = num_params(self.global_state())
+        self.assignments: dict[int, list[np.ndarray]] = {}  # from the last round each client completed
+        self.grid: Grid | None = None
+
+    def _default_widths(self) -> tuple[int, ...]:
+        from fedsim.fedma_arch import resized_default, state_of
+
+        spec = self.scenario.model
+        model = resized_default(spec.name, self.rt.data.input_shape, self.rt.data.num_classes, spec)
+        return self.arch.widths(state_of(model))
+
+    # --- the global model at its current widths ---------------------------------------------------
+    @property
+    def layout(self) -> ModelLayout:
+        if self.widths not in self._layouts:
+            self._layouts[self.widths] = ModelLayout.of(self.arch.build(self.widths))
+        return self._layouts[self.widths]
+
+    def global_state(self) -> State:
+        return {k: v.numpy().copy() for k, v in self.layout.unflatten(self.global_vec).items()}
+
+    def set_global(self, state: State) -> None:
+        self.widths = self.arch.widths(state)
+        self.global_vec = self.layout.flatten({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
+
+    def global_model(self) -> torch.nn.Module:
+        return self.arch.model(self.global_state())
+
+    # --- checkpoints: the model's widths and the clients' assignments travel with it ------------
+    def checkpoint(self, rnd: int) -> None:
+        if self.checkpoint_dir is not None:
+            extra = {
+                "fedma": {
+                    "widths": list(self.widths),
+                    "assignments": {str(p): [a.tolist() for a in lst] for p, lst in self.assignments.items()},
+                }
+            }
+            save_server(self.checkpoint_dir.parent, rnd, self.global_vec, {}, extra)
+
+    def resume_from(self, state: dict) -> None:
+        self.offset = int(state["round"])
+        extra = state["extra"]["fedma"]
+        self.widths = tuple(int(w) for w in extra["widths"])
+        self.global_vec = state["global"].clone()
+        self.assignments = {int(p): [np.asarray(a, dtype=np.int64) for a in lst] for p, lst in extra["assignments"].items()}
+
+    # --- exchange 0: local training ----------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        rnd = server_round + self.offset
+        self.t_round = time.perf_counter()
+        self.grid = grid
+        sampled, strikers = self.sample(rnd)
+        fresh = rnd == 1 and self.params.local_init
+        gstate = None if fresh else self.global_state()
+        messages, down_per_client = [], {}
+        for pid in sampled:
+            content = {"config": ConfigRecord({"server-round": rnd, "fedma-step": "local"})}
+            if gstate is not None:
+                own = self.assignments.get(pid)
+                content["arrays"] = state_to_record(self.arch.slice_for_client(gstate, own) if own else gstate)
+            down_per_client[pid] = records_bytes(content)
+            messages.append(Message(RecordDict(content), dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN))
+        self.pending = {
+            "round": rnd, "sampled": sampled, "attackers": strikers,
+            "bytes_down": sum(down_per_client.values()), "bytes_down_per_client": down_per_client,
+        }
+        return messages
+
+    # --- exchanges 1..K: match, broadcast, retrain above --------------------------------------------
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        rnd = server_round + self.offset
+        record = self.pending
+        record.update({"bytes_up": 0, "bytes_up_per_client": {}, "rejected": {}, "defenses": {}, "skipped": None})
+        new_state = self.global_state()  # filled layer by layer; shapes change as layers are matched
+        counts, losses = {}, {}
+        current = self._collect(list(replies), 0, record["sampled"], new_state, record, counts, losses)
+        record["train_loss"] = float(np.mean([losses[p] for p in sorted(losses)])) if losses else None
+        own: dict[int, list[np.ndarray]] = {pid: [] for pid in current}
+        match_seconds, exchanges = 0.0, 1
+        for l in range(self.arch.num_matched):
+            if not self._enough(current, record, rnd, f"matching layer {l}"):
+                return None, None
+            pids = sorted(current)
+            t0 = time.perf_counter()
+            result = bbp_map_match(
+                [self.arch.neurons({**new_state, **current[p]}, l) for p in pids],
+                **self.params.match_kwargs(),
+                seed=derive_seed(self.scenario.seed, SERVER, rnd, l),
+            )
+            match_seconds += time.perf_counter() - t0
+            self.arch.set_neurons(new_state, l, result.theta)
+            layer = self.arch.layers[l]
+            messages = []
+            for pid, assignment in zip(pids, result.assignments):
+                own[pid].append(assignment)
+                content = {
+                    "arrays": state_to_record({
+                        "weight": new_state[layer.weight], "bias": new_state[layer.bias], "assignment": assignment,
+                    }),
+                    "config": ConfigRecord({"server-round": rnd, "fedma-step": "retrain", "fedma-layer": l + 1}),
+                }
+                size = records_bytes(content)
+                record["bytes_down"] += size
+                record["bytes_down_per_client"][pid] = record["bytes_down_per_client"].get(pid, 0) + size
+                messages.append(Message(RecordDict(content), dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN))
+            replies = list(self.grid.send_and_receive(messages, timeout=self.scenario.federation.round_timeout))
+            exchanges += 1
+            self._widen_inputs(new_state, l)
+            current = self._collect(replies, l + 1, pids, new_state, record, counts, losses)
+        if not self._enough(current, record, rnd, "averaging the output layer"):
+            return None, None
+        pids = sorted(current)
+        out = self.arch.layers[-1]
+        weight, bias = average_last_layer(
+            [current[p][out.weight] for p in pids], [current[p][out.bias] for p in pids], [counts[p] for p in pids]
+        )
+        new_state[out.weight], new_state[out.bias] = weight.astype(np.float32), bias.astype(np.float32)
+        self.set_global(new_state)
+        self.assignments = {p: own[p] for p in pids}
+        params_now = num_params(new_state)
+        record.update({
+            "aggregated": pids,
+            "exchanges": exchanges,
+            "global_widths": list(self.widths),
+            "model_params": params_now,
+            "model_growth": params_now / self.initial_params,
+            "match_seconds": match_seconds,
+            "global_norm": float(torch.linalg.vector_norm(self.global_vec)),
+        })
+        return state_to_record(new_state), MetricRecord({"num-updates": len(pids)})
+
+    def _enough(self, current: dict, record: dict, rnd: int, what: str) -> bool:
+        need = self.scenario.federation.min_replies
+        if len(current) >= need:
+            return True
+        record["skipped"] = f"{len(current)} valid replies before {what}, fewer than federation.min_replies={need}"
+        log.warning("round %s skipped: %s", rnd, record["skipped"])
+        return False
+
+    def _widen_inputs(self, state: State, l: int) -> None:
+        """Give layer l+1 of the global state its new input width (values come from the clients)."""
+        above = self.arch.layers[l + 1].weight
+        state[above] = np.zeros(self._expected_weight_shape(state, l + 1, state[above].shape[0]), dtype=np.float32)
+
+    def _expected_weight_shape(self, state: State, l: int, rows: int) -> tuple[int, ...]:
+        """Layer l's weight shape for `rows` neurons, given the (global) width of layer l-1 in `state`."""
+        template = self.template[self.arch.layers[l].weight]
+        if l == 0:
+            return (rows, *template[1:])
+        kind, spatial = self.arch.links[l - 1]
+        units = state[self.arch.layers[l - 1].weight].shape[0]
+        if kind == "conv":
+            return (rows, units, *template[2:])
+        return (rows, units * spatial)
+
+    def _collect(self, replies, l: int, expected: list[int], state: State, record: dict, counts: dict, losses: dict) -> dict:
+        """Valid uploads of layer l by partition id; the rest are logged in `rejected`."""
+        pid_of = {node: pid for pid, node in self.node_of.items()}
+        out, seen = {}, set()
+        for reply in replies:
+            pid = pid_of.get(reply.metadata.src_node_id, -1)
+            seen.add(pid)
+            if pid not in expected:
+                continue
+            if reply.has_error():
+                record["rejected"][pid] = f"layer {l}: client error: {reply.error.reason}"
+                continue
+            size = message_bytes(reply)
+            record["bytes_up"] += size
+            record["bytes_up_per_client"][pid] = record["bytes_up_per_client"].get(pid, 0) + size
+            try:
+                out[pid] = self._check_upload(reply.content, l, state, counts, pid)
+                if l == 0:
+                    losses[pid] = float(reply.content["metrics"].get("train-loss", float("nan")))
+            except UploadError as err:
+                record["rejected"][pid] = f"layer {l}: {err}"
+                log.warning("round %s: rejected FedMA upload from client %s: %s", record["round"], pid, err)
+        for pid in expected:
+            if pid not in seen:
+                record["rejected"][pid] = f"layer {l}: no reply within federation.round_timeout={self.scenario.federation.round_timeout}s"
+        return out
+
+    def _check_upload(self, content, l: int, state: State, counts: dict, pid: int) -> State:
+        """Layer l's (weight, bias) from an untrusted reply, with shapes and values checked."""
+        layer = self.arch.layers[l]
+        try:
+            arrays = record_to_state(content["layer"])
+        except Exception as err:  # missing record, non-numpy bytes
+            raise UploadError(f"reply needs a 'layer' ArrayRecord of arrays ({err!r})") from None
+        weight, bias = arrays.get("weight"), arrays.get("bias")
+        if weight is None or bias is None:
+            raise UploadError(f"missing weight or bias, got {sorted(arrays)}")
+        last = l == self.arch.num_matched
+        rows = weight.shape[0] if weight.ndim else 0
+        cap = ROW_CAP_FACTOR * max(self.params.max_neurons, self.template[layer.weight][0])
+        if last and rows != self.rt.data.num_classes or not 1 <= rows <= cap:
+            raise UploadError(f"{rows} neurons in layer {l} (allowed: {'the number of classes' if last else f'1..{cap}'})")
+        want = self._expected_weight_shape(state, l, rows)
+        if weight.shape != want or bias.shape != (rows,):
+            raise UploadError(f"weight {weight.shape} / bias {bias.shape}, expected {want} / {(rows,)}")
+        if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+            raise UploadError("weights contain NaN or Inf")
+        if l == 0:
+            c = arrays.get("class-counts")
+            if c is None or c.shape != (self.rt.data.num_classes,) or not np.isfinite(c).all() or (c < 0).any():
+                raise UploadError("class-counts must be one non-negative count per class")
+            counts[pid] = c.astype(np.float64)
+        return {layer.weight: weight, layer.bias: bias}
