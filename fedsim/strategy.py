@@ -76,6 +76,10 @@ class ScenarioStrategy(Strategy):
         self.pending: dict = {}  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
 
+    def global_model(self) -> torch.nn.Module:
+        """The current global model as a module (what the server evaluates)."""
+        return self.lowrank.model(self.global_vec)
+
     @property
     def layout(self):
         """The current model layout (it changes once, if the model is factorized mid-run)."""
@@ -124,15 +128,7 @@ class ScenarioStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         server_round += self.offset
         self.t_round = time.perf_counter()
-        fed = self.scenario.federation
-        rng = numpy_rng(self.scenario.seed, SAMPLE, server_round)
-        attack = self.scenario.attack
-        if attack is not None:
-            sampled, strikers = sample_round(
-                attack.schedule, server_round, fed.num_clients, fed.clients_per_round, self.rt.attackers, rng
-            )
-        else:
-            sampled, strikers = sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
+        sampled, strikers = self.sample(server_round)
         client_strikers = strikers if self.rt.attack is not None and self.rt.attack.side == "client" else []
         if client_strikers:  # what Attack of the Tails' replacement attacker is assumed to know
             total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
@@ -167,6 +163,15 @@ class ScenarioStrategy(Strategy):
         if groups:
             self.pending["groups"] = groups
         return messages
+
+    def sample(self, server_round: int) -> tuple[list[int], list[int]]:
+        """This round's clients and, among them, the attackers that strike (seeded by the round)."""
+        fed = self.scenario.federation
+        rng = numpy_rng(self.scenario.seed, SAMPLE, server_round)
+        attack = self.scenario.attack
+        if attack is not None:
+            return sample_round(attack.schedule, server_round, fed.num_clients, fed.clients_per_round, self.rt.attackers, rng)
+        return sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
 
     def _groups(self, sampled: list[int]) -> tuple[list[list[int]], dict[int, int]]:
         """For group-based rules (DETOX): consecutive groups of r sampled clients and, with
@@ -311,7 +316,7 @@ class ScenarioStrategy(Strategy):
         else:
             record = self.pending
         if server_round == 0 or server_round % ev.every == 0 or last:
-            record.update(self.evaluator(self.lowrank.model(self.global_vec)))
+            record.update(self.evaluator(self.global_model()))
         record["wall_seconds"] = time.perf_counter() - self.t_round if server_round else 0.0
         if server_round:
             self.checkpoint(server_round)  # before the line: a written line always has its checkpoint
