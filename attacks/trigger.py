@@ -57,6 +57,9 @@ class PartitionPoisoner(ClientAttack):
     def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
         return delta * update_scale(self.params.scale, info)
 
+    def poisons_data_only(self) -> bool:
+        return self.params.scale == 1.0
+
 
 def update_scale(scale, info: dict) -> float:
     """The factor on the attacker's update: a number, or Γ = round total / own examples for "auto"."""
