@@ -46,6 +46,7 @@ def arch_of(name: str, input_shape, params) -> ChainArch:
 ARCHS = [
     ("mlp", (64,), {"hidden": [6, 5]}, (6, 5), (9, 8)),
     ("lenet", (1, 8, 8), {"dropout": False}, (3, 4, 5), (6, 7, 9)),
+    ("vgg9", (3, 32, 32), {}, (4, 4, 5, 5, 6, 6, 7, 7), (6, 5, 7, 8, 8, 9, 9, 8)),
 ]
 
 
