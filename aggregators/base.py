@@ -16,3 +16,10 @@ def check_inputs(updates: torch.Tensor, weights: torch.Tensor) -> None:
         raise AggregationError(f"weights must be [n={updates.shape[0]}], got {tuple(weights.shape)}")
     if updates.shape[0] == 0:
         raise AggregationError("no updates to aggregate")
+
+
+def vector_rule_names() -> list[str]:
+    """Registered aggregators that are `[n, d] -> [d]` rules (FedMA's layer-wise protocol is not)."""
+    from fedsim.registry import AGGREGATORS
+
+    return [n for n in AGGREGATORS.names() if not getattr(AGGREGATORS.get(n).obj, "layerwise", False)]

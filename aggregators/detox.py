@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field, SerializeAsAny, field_validator
 
-from aggregators.base import AggregationError, check_inputs
+from aggregators.base import AggregationError, check_inputs, vector_rule_names
 from fedsim.registry import AGGREGATORS, Params
 
 DEFAULT_INNER = "multikrum"
@@ -171,9 +171,11 @@ def parse_inner(value: Any) -> BaseModel:
     if not isinstance(value, Mapping):
         raise ValueError(f"inner must be a rule name or a mapping with `name`, got {value!r}")
     name = value.get("name", DEFAULT_INNER)
-    allowed = [n for n in AGGREGATORS.names() if n != "detox"]
+    allowed = [n for n in vector_rule_names() if n != "detox"]
     if name not in allowed:
-        why = "detox cannot nest itself" if name == "detox" else f"unknown inner aggregator {name!r}"
+        why = {"detox": "detox cannot nest itself", "fedma": "fedma is not an [n, d] rule"}.get(
+            name, f"unknown inner aggregator {name!r}"
+        )
         raise ValueError(f"{why}; allowed: {', '.join(allowed)}")
     return inner_spec_model(name).model_validate({**value, "name": name})
 

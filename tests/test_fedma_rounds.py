@@ -258,7 +258,8 @@ def test_on_ray_equals_in_process(tmp_path):
     exchanges) the rounds are the same as with the in-process grid."""
     from fedsim.simulation import simulate
 
-    scenario = load_scenario(SCENARIO, SMALL + ["model.hidden=[16, 12]"])
+    # a generous timeout: Ray's actors start (and import torch) inside the first exchange
+    scenario = load_scenario(SCENARIO, SMALL + ["model.hidden=[16, 12]", "federation.round_timeout=600"])
     ray_rounds = read_rounds(simulate(scenario, run_dir=tmp_path / "ray"))
     local_rounds = run(scenario, tmp_path / "local")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("wall_seconds", "match_seconds")} for r in rows]  # noqa: E731
