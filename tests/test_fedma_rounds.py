@@ -253,6 +253,7 @@ def test_impossible_combinations_refused_naming_both(override, names):
 
 
 @pytest.mark.simulation
+@pytest.mark.slow  # its own Ray start-up; kept out of the default run's single process
 def test_on_ray_equals_in_process(tmp_path):
     """Through Flower's simulation engine (Ray actors, node state kept by Flower between the
     exchanges) the rounds are the same as with the in-process grid."""
