@@ -202,30 +202,49 @@ def cmd_sweep(args) -> int:
 
 def cmd_deploy(args) -> int:
     import os
-
-    from fedsim.scenario import ScenarioError
+    import shlex
     import subprocess
 
     from fedsim import deploy
+
+    preload = deploy.PRELOAD if args.preload is None else tuple(m for m in args.preload.split(",") if m)
+    if args.role == "executor":  # before anything else is imported: the executor forks ClientApps
+        runtime_api = args.runtime_api or f"127.0.0.1:{deploy.node_port(args.partition, args.node_port)}"
+        if args.dry_run:
+            print(shlex.join(deploy.executor_cmd(runtime_api, args.runtime_root_cert, args.poll_interval, preload)))
+            return 0
+        return deploy.serve_clientapps(runtime_api, args.runtime_root_cert, args.poll_interval, preload)
+
+    from fedsim.scenario import ScenarioError
 
     certs = None if args.insecure else args.certs
     if certs is None and not args.insecure:
         raise ScenarioError("fedsim deploy", [("--certs", "TLS needs a certificate folder (scripts/generate_certs.sh), or pass --insecure for loopback tests", None)])
     tls = None if certs is None else deploy.Tls(certs / "ca.crt", certs / "server.pem", certs / "server.key")
+    cmds = []
     if args.role == "superlink":
-        cmd = deploy.superlink_cmd(args.host, args.port, tls, auth=not args.no_auth)
+        cmds.append(deploy.superlink_cmd(args.host, args.port, tls, auth=not args.no_auth))
     elif args.role == "supernode":
         key = args.auth_key if args.auth_key is not None else (None if certs is None else certs / f"node{args.partition}_key")
-        cmd = deploy.supernode_cmd(args.partition, args.num_partitions, args.superlink, args.node_port,
-                                   None if tls is None else tls.ca_cert, key, args.data_dir)
+        cmds.append(deploy.supernode_cmd(args.partition, args.num_partitions, args.superlink, args.node_port,
+                                         None if tls is None else tls.ca_cert, key, args.data_dir, isolation=args.isolation))
+        if args.isolation == "process":  # the SuperNode starts no executor: run one beside it
+            runtime_api = f"127.0.0.1:{deploy.node_port(args.partition, args.node_port)}"
+            cmds.append(deploy.executor_cmd(runtime_api, poll_interval=args.poll_interval, preload=preload)
+                        if args.executor == "fork" else deploy.superexec_cmd(runtime_api))
     else:
         home = Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr"))
         deploy.write_connection(home, "fedsim", args.superlink, None if tls is None else tls.ca_cert)
-        cmd = deploy.run_cmd("fedsim", args.file, args.set, args.output)
-    print(" ".join(cmd))
+        cmds.append(deploy.run_cmd("fedsim", args.file, args.set, args.output))
+    env = deploy.deploy_env()
+    print(f"export {deploy.POLL_ENV}={env[deploy.POLL_ENV]}")
+    for cmd in cmds:
+        print(shlex.join(cmd))
     if args.dry_run:
         return 0
-    return subprocess.call(cmd, env=deploy.deploy_env())
+    if len(cmds) > 1:
+        return deploy.supervise(cmds, env)
+    return subprocess.call(cmds[0], env=env)
 
 
 def cmd_report(args) -> int:
@@ -263,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     swp.set_defaults(func=cmd_sweep)
 
     dep = sub.add_parser("deploy", help="run the same apps on a real SuperLink and SuperNodes")
-    dep.add_argument("role", choices=["superlink", "supernode", "run"])
+    dep.add_argument("role", choices=["superlink", "supernode", "run", "executor"],
+                     help="executor: fedsim's forking ClientApp executor for a `--isolation process` SuperNode")
     dep.add_argument("file", type=Path, nargs="?", default=None, help="scenario (for `run`)")
     dep.add_argument("--insecure", action="store_true", help="no TLS, no node authentication: loopback tests only")
     dep.add_argument("--certs", type=Path, default=None, help="folder from scripts/generate_certs.sh")
@@ -278,6 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--data-dir", type=Path, default=None, help="this device's data folder")
     dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     dep.add_argument("--output", type=Path, default=None, help="parent of the run folder (on the ServerApp's machine)")
+    dep.add_argument("--isolation", choices=["subprocess", "process"], default="subprocess",
+                     help="supernode: `process` runs the ClientApp executor beside the SuperNode (see --executor)")
+    dep.add_argument("--executor", choices=["fork", "flower"], default="fork",
+                     help="with --isolation process: fedsim's executor that forks warm ClientApp processes (fork), "
+                          "or Flower's flower-superexec, a fresh flwr-clientapp per message (flower)")
+    dep.add_argument("--poll-interval", type=float, default=0.2, help="fork executor: seconds between task polls when idle")
+    dep.add_argument("--preload", default=None, help="fork executor: modules imported once, comma-separated "
+                                                     "(default torch,torch._dynamo,numpy,pydantic,yaml)")
+    dep.add_argument("--runtime-api", default=None, help="executor: the SuperNode's Runtime API (default 127.0.0.1:<node port>)")
+    dep.add_argument("--runtime-root-cert", type=Path, default=None, help="executor: CA of a TLS Runtime API (SuperNode --ssl-*)")
     dep.add_argument("--dry-run", action="store_true", help="print the Flower command and stop")
     dep.set_defaults(func=cmd_deploy)
 

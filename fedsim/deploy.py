@@ -1,15 +1,28 @@
 """Real deployment on Flower's deployment engine: a SuperLink, SuperNodes on devices, `flwr run`.
 
-These helpers only build the standard Flower command lines (printed by `fedsim deploy ... --dry-run`)
+Most helpers here only build the standard Flower command lines (printed by `fedsim deploy ... --dry-run`)
 and the connection entry `flwr run` needs; the ServerApp and ClientApp are the very ones the
 simulation runs. Security: TLS with SuperNode authentication unless `--insecure` is given, which
 is meant for loopback tests only.
+
+Speed (see docs/deployment.md, "Cost per round"): in flwr 1.41 every message a SuperNode receives
+runs in a fresh `flwr-clientapp` process, whatever the isolation mode, and that process spends
+seconds importing flwr and torch before the ClientApp starts. `serve_clientapps` is an executor
+for `flower-supernode --isolation process` that pays those imports once: it is a long-running
+process that asks the SuperNode's Runtime API for tasks the way `flower-superexec` does, and
+forks a child per message that runs Flower's own `run_clientapp`. One process per message is
+kept (crash isolation, memory returned after every message); only the start-up is shared.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +32,16 @@ QUIET_ENV = {
     "FLWR_DISABLE_UPDATE_CHECK": "1",
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # never `uv sync` a different torch at run time
 }
+# How often `flower-superexec` asks its Runtime API for a new task (flwr 1.41 reads this variable;
+# its default is 1 s). The SuperNode's superexec launches every ClientApp, the SuperLink's launches
+# the ServerApp, so 1 s is added to every message on average 0.5 s. A poll is one loopback request.
+POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+FAST_POLL_SECONDS = 0.2
+# Imported once by `serve_clientapps` before it forks: what every fedsim ClientApp process imports
+# anyway. Only third-party modules: the app's own code must come from the FAB in each child.
+# torch._dynamo is imported by the first torch.optim optimizer a process creates (1.5-2.6 s here).
+# Not scikit-learn: importing it starts threads, and a process with threads should not fork.
+PRELOAD = ("torch", "torch._dynamo", "numpy", "pydantic", "yaml")
 
 
 @dataclass(frozen=True)
@@ -44,15 +67,28 @@ def superlink_cmd(host: str = "127.0.0.1", port: int = 8000, tls: Tls | None = N
     return cmd
 
 
+def node_port(partition: int, port: int | None = None) -> int:
+    """A SuperNode's local Runtime API port: 9094 + partition unless given (must differ per node on one host)."""
+    return port if port is not None else 9094 + partition
+
+
 def supernode_cmd(partition: int, num_partitions: int, superlink: str = "127.0.0.1:8000", port: int | None = None,
                   root_cert: Path | None = None, auth_key: Path | None = None, data_dir: Path | None = None,
-                  max_retries: int | None = None) -> list[str]:
-    """A SuperNode holding partition `partition` of `num_partitions` (its node config)."""
+                  max_retries: int | None = None, isolation: str = "subprocess") -> list[str]:
+    """A SuperNode holding partition `partition` of `num_partitions` (its node config).
+
+    `isolation="process"` makes the SuperNode start no executor of its own: one must be started
+    next to it against its Runtime API (`superexec_cmd` or `executor_cmd`).
+    """
+    if isolation not in ("subprocess", "process"):
+        raise ValueError(f"isolation must be 'subprocess' or 'process', not {isolation!r}")
     node_config = f"partition-id={partition} num-partitions={num_partitions}"
     if data_dir is not None:
         node_config += f' data-dir="{data_dir}"'
-    cmd = ["flower-supernode", "--superlink", superlink, "--port", str(port if port is not None else 9094 + partition),
+    cmd = ["flower-supernode", "--superlink", superlink, "--port", str(node_port(partition, port)),
            "--node-config", node_config]
+    if isolation == "process":
+        cmd += ["--isolation", "process"]
     cmd += ["--insecure"] if root_cert is None else ["--root-certificates", str(root_cert)]
     if auth_key is not None:
         cmd += ["--auth-supernode-private-key", str(auth_key)]
@@ -87,7 +123,212 @@ def run_cmd(connection: str, scenario: Path, overrides: list[str] | None = None,
 
 
 def deploy_env(flwr_home: Path | None = None) -> dict[str, str]:
+    """The environment of every Flower process fedsim starts: quiet, offline, and a 0.2 s task poll.
+
+    A `FLWR_SUPEREXEC_TASK_POLL_INTERVAL` already in the environment is kept (set it to 1 for
+    Flower's default).
+    """
     env = dict(os.environ, **QUIET_ENV)
+    env.setdefault(POLL_ENV, str(FAST_POLL_SECONDS))
     if flwr_home is not None:
         env["FLWR_HOME"] = str(flwr_home)
     return env
+
+
+# --- `--isolation process`: the executor next to the SuperNode ------------------------------------
+
+def superexec_cmd(runtime_api: str, runtime_root_cert: Path | None = None) -> list[str]:
+    """Flower's own executor for a `--isolation process` SuperNode.
+
+    It does what the SuperNode does itself in the default `subprocess` mode: poll the Runtime API
+    and start a fresh `flwr-clientapp` process per message (which imports flwr, torch and the app).
+    The Runtime API is plain HTTP unless the SuperNode was given `--ssl-*` options.
+    """
+    cmd = ["flower-superexec", "--runtime-api-address", runtime_api]
+    return cmd + (["--insecure"] if runtime_root_cert is None else ["--root-certificates", str(runtime_root_cert)])
+
+
+def executor_cmd(runtime_api: str, runtime_root_cert: Path | None = None, poll_interval: float = FAST_POLL_SECONDS,
+                 preload: Sequence[str] = PRELOAD) -> list[str]:
+    """fedsim's forking executor (`serve_clientapps`) as a command, the drop-in for `superexec_cmd`."""
+    cmd = [sys.executable, "-m", "fedsim.cli", "deploy", "executor", "--runtime-api", runtime_api,
+           "--poll-interval", str(poll_interval), "--preload", ",".join(preload)]
+    if runtime_root_cert is not None:
+        cmd += ["--runtime-root-cert", str(runtime_root_cert)]
+    return cmd
+
+
+class _Stop(Exception):
+    """SIGTERM or SIGINT reached `serve_clientapps`."""
+
+
+def _app_packages() -> set[str]:
+    """Top-level packages of this app (fedsim, attacks, defenses, aggregators, ...)."""
+    return {p.name for p in APP_DIR.iterdir() if (p / "__init__.py").is_file()}
+
+
+def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, poll_interval: float = FAST_POLL_SECONDS,
+                     preload: Sequence[str] = PRELOAD) -> int:
+    """Run ClientApps for a `flower-supernode --isolation process` until SIGTERM/SIGINT; returns 0.
+
+    Why: a fresh `flwr-clientapp` process spends ~2 s importing flwr and ~2 s importing torch
+    (more when a device's cores are shared) before the ClientApp starts, for every message. In
+    flwr 1.41 `flwr-clientapp` handles exactly one message and exits (`run_clientapp` ends in
+    `flwr_exit`), and the warm executor pools of `flower-superexec` exist only for the Kubernetes
+    executor and not for ClientApps. So this executor imports flwr's ClientApp runtime and the
+    `preload` modules once, then, like `flower-superexec`, polls the SuperNode's Runtime API
+    (`AcquireTask`, every `poll_interval` s while idle) and for each task forks a child that runs
+    `flwr.supernode.runtime.run_clientapp` with the task's token: the same code `flwr-clientapp`
+    runs, so the message, Context, FAB and reply go through the SuperNode exactly as before.
+
+    What the child does not inherit: the app itself. Modules of this app that the parent
+    imported (fedsim.cli, fedsim.deploy) are dropped from `sys.modules` in the child, so the
+    ClientApp is imported from the run's FAB, as `flwr-clientapp` does; only third-party modules
+    are shared. The parent runs no torch computation (no OpenMP pool exists when it forks), and
+    each child exits with `os._exit`, so no handler of the parent runs twice. POSIX only (fork).
+    """
+    import importlib
+    import threading
+    import traceback
+    from logging import ERROR, INFO, WARNING
+
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore import log
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supernode.runtime.run_clientapp import run_clientapp
+
+    if not hasattr(os, "fork"):
+        raise RuntimeError("the forking executor needs os.fork (Linux, macOS); use flower-superexec instead")
+    t0 = time.perf_counter()
+    for name in preload:
+        importlib.import_module(name)
+    if threading.active_count() > 1:  # a preloaded module started a thread: a fork copies it locked or not at all
+        log(WARNING, "fedsim executor: %d Python threads after preloading %s; forking may deadlock",
+            threading.active_count(), ",".join(preload))
+    app_packages = _app_packages()
+    certificates = None if runtime_root_cert is None else Path(runtime_root_cert).read_bytes()
+    client = RuntimeHttpClient.from_server_address(
+        server_address=runtime_api, insecure=runtime_root_cert is None, root_certificates=certificates,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
+        retry_invoker=make_simple_http_retry_invoker())
+    log(INFO, "fedsim executor: Runtime API %s, %d modules preloaded in %.1f s, polling every %.2f s",
+        runtime_api, len(preload), time.perf_counter() - t0, poll_interval)
+
+    executor_pid = os.getpid()
+
+    def on_signal(signum, _frame):  # also interrupts a wait for a SuperNode that is gone (retried forever)
+        if os.getpid() != executor_pid:  # a child that has not yet reset its handlers
+            os._exit(128 + signum)
+        raise _Stop(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    children: dict[int, int] = {}  # pid -> task id
+    request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
+
+    def reap() -> None:
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                task_id = children.pop(pid)
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0:
+                    log(WARNING, "fedsim executor: ClientApp process for task %d exited with %d", task_id, code)
+
+    def run_child(token: str) -> None:
+        code = 1
+        try:
+            for sig in previous:
+                signal.signal(sig, signal.SIG_DFL)
+            for name in [m for m in sys.modules if m.partition(".")[0] in app_packages]:
+                del sys.modules[name]  # the ClientApp comes from the FAB, not from this process
+            run_clientapp(runtime_api_address=runtime_api, token=token, insecure=runtime_root_cert is None,
+                          certificates=certificates, parent_pid=os.getppid(), runtime_dependency_install=False)
+            code = 0
+        except SystemExit as ex:  # run_clientapp always ends in flwr_exit -> sys.exit
+            code = ex.code if isinstance(ex.code, int) else (0 if ex.code is None else 1)
+        except BaseException:  # noqa: BLE001 - report anything, then leave without the parent's cleanup
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    try:
+        while True:
+            reap()
+            response = client.AcquireTask(request)
+            if response.HasField("task") and response.token:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    run_child(response.token)  # never returns
+                children[pid] = response.task.task_id
+                log(INFO, "fedsim executor: task %d -> ClientApp process %d", response.task.task_id, pid)
+                continue  # another task may be waiting already
+            time.sleep(poll_interval)
+    except _Stop:
+        pass
+    except Exception as ex:  # noqa: BLE001 - e.g. the SuperNode refused us: say so, stop the children
+        log(ERROR, "fedsim executor stopped: %r", ex)
+        raise
+    finally:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
+        client.close()
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        while children and time.time() < deadline:
+            reap()
+            time.sleep(0.1)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    log(INFO, "fedsim executor: stopped")
+    return 0
+
+
+def supervise(commands: Sequence[list[str]], env: dict[str, str] | None = None) -> int:
+    """Run `commands` side by side (a SuperNode and its executor) as one unit.
+
+    When one exits, or this process gets SIGTERM/SIGINT, the others are stopped (SIGTERM, then
+    SIGKILL after 10 s), so a node never runs without its executor or the other way round.
+    Returns the exit code of the first that ended on its own, or 0 when asked to stop.
+    """
+    stop: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: stop.append(signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    procs = [subprocess.Popen(cmd, env=env) for cmd in commands]
+    code = 0
+    try:
+        while not stop:
+            ended = [p for p in procs if p.poll() is not None]
+            if ended:
+                code = ended[0].returncode
+                print(f"fedsim deploy: {ended[0].args[0]} exited with {code}; stopping the rest", file=sys.stderr)
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code

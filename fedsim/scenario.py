@@ -58,6 +58,9 @@ class FederationSection(Section):
     client_cpus: float = Field(1.0, gt=0, description="CPUs per Ray client actor (1 on 2 cores gives 2 actors)")
     round_timeout: float = Field(600.0, gt=0, description="seconds to wait for a round's replies")
     min_replies: int = Field(1, ge=1, description="skip the round (logged) when fewer valid updates arrive")
+    ray_address: str | None = Field(
+        None, description="attach to this running Ray cluster ('auto', 'HOST:6379'; default: $RAY_ADDRESS, else start one)"
+    )
 
 
 class InitSection(Section):

@@ -1,10 +1,41 @@
-"""Run a scenario on Flower's simulation engine (Ray backend), quietly unless asked."""
+"""Run a scenario on Flower's simulation engine (Ray backend), quietly unless asked.
+
+While `simulate` runs, two functions of Flower's simulation engine (flwr 1.41, `vce_api`) are
+wrapped or replaced, and restored afterwards:
+
+* node registration: the engine's node id -> partition id map is recorded, so the ServerApp
+  takes it from there instead of sending every registered node a QUERY (200 messages and several
+  seconds at start-up for 200 clients; deployment still asks, see ScenarioStrategy.discover_nodes);
+* message delivery: Flower's loop asks the link state for each registered node's messages every
+  0.1 s, and every ask scans every stored message: O(nodes x messages) Python work per sweep
+  under the GIL. With 10,000 registered clients and 100 messages in flight that is a million
+  checks per sweep and rounds slow down with the number of *registered* clients. The
+  replacement scans the stored messages once per sweep and delivers the same messages;
+* actor shutdown: the client actors are killed with `ray.kill(no_restart=True)` rather than asked
+  to exit through a task, which the restart policy below would otherwise report as a failed task
+  to retry.
+
+If the installed Flower lacks what these rely on, `simulate` leaves the engine alone (it stays
+correct, only slower at scale).
+
+The engine pickles the ClientApp with every message it sends to a Ray actor. fedsim's ClientApp
+closes over the scenario, whose pydantic class is built at run time and so is pickled by value:
+200 KB and ~20 ms to pickle in the server process plus ~50 ms to unpickle in the actor, per
+message. `simulate` sends a `CompactClientApp` instead, pickled as the scenario's JSON text; each
+worker process builds the real ClientApp from it once and reuses it.
+
+`federation.ray_address` (or the RAY_ADDRESS environment variable) attaches the simulation to an
+existing Ray cluster instead of starting a local one; see docs/performance.md.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -14,16 +45,22 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-# OpenBLAS libraries loaded from now on (the Ray workers' numpy and scipy) run single-threaded;
-# see single_threaded_openblas() for why. The client actors are single-threaded anyway.
+# OpenBLAS libraries loaded from now on (scipy's, the Ray workers' numpy) run single-threaded;
+# see single_threaded_openblas() for why, and the client actors are single-threaded anyway.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from flwr.clientapp import ClientApp  # noqa: E402
 
 from fedsim.client_app import make_client_app  # noqa: E402
 from fedsim.results import new_run_dir  # noqa: E402
-from fedsim.scenario import dump_scenario  # noqa: E402
+from fedsim.runtime import scenario_key  # noqa: E402
+from fedsim.scenario import dump_scenario, scenario_dict, validate_scenario  # noqa: E402
 from fedsim.server_app import make_server_app  # noqa: E402
 
 OBJECT_STORE_BYTES = 256 * 1024**2
+FAST_MESSAGE_DELIVERY = True  # switch for benchmarks/overhead.py --disable; on in normal use
+
+log = logging.getLogger("fedsim")
 
 
 def quiet_logs(verbose: bool) -> None:
@@ -36,28 +73,189 @@ def quiet_logs(verbose: bool) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def ray_address(scenario) -> str | None:
+    """The Ray cluster to attach to: `federation.ray_address`, else $RAY_ADDRESS, else None (start one)."""
+    return scenario.federation.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
 def backend_config(scenario, verbose: bool) -> dict:
-    cpus = os.cpu_count() or 1
+    init_args = {"logging_level": "INFO" if verbose else "ERROR", "log_to_driver": verbose, "include_dashboard": False}
+    address = ray_address(scenario)
+    if address:
+        # an existing cluster: its nodes bring their own CPUs and object stores
+        init_args["address"] = address
+    else:
+        init_args.update(num_cpus=os.cpu_count() or 1, object_store_memory=OBJECT_STORE_BYTES)
     return {
-        "client_resources": {"num_cpus": scenario.federation.client_cpus, "num_gpus": 0.0},
-        "init_args": {
-            "num_cpus": cpus,
-            "object_store_memory": OBJECT_STORE_BYTES,
-            "logging_level": "INFO" if verbose else "ERROR",
-            "log_to_driver": verbose,
-            "include_dashboard": False,
+        # Flower passes these to the client actors' `.options()`: a crashed actor (segfault, OOM kill,
+        # a lost cluster node) is restarted by Ray, and the message it was running is retried once
+        # there (a client that crashes again is reported as rejected). Without them Flower's pool
+        # keeps handing the dead actor later messages, and every one fails for the rest of the run.
+        "client_resources": {
+            "num_cpus": scenario.federation.client_cpus, "num_gpus": 0.0, "max_restarts": -1, "max_task_retries": 1,
         },
+        "init_args": init_args,
     }
+
+
+# --- a ClientApp that is cheap to send with every message -------------------------------------------
+class CompactClientApp(ClientApp):
+    """`make_client_app(scenario)`, pickled as the scenario's JSON text and rebuilt once per process."""
+
+    def __init__(self, scenario_json: str, key: str) -> None:
+        super().__init__()
+        self.scenario_json, self.key = scenario_json, key
+
+    @classmethod
+    def of(cls, scenario) -> "CompactClientApp":
+        return cls(json.dumps(scenario_dict(scenario), sort_keys=True), scenario_key(scenario))
+
+    def __reduce__(self):
+        return (CompactClientApp, (self.scenario_json, self.key))
+
+    def __call__(self, message, context):
+        return _client_app(self.scenario_json, self.key)(message, context)
+
+
+_CLIENT_APPS: dict[str, ClientApp] = {}
+
+
+def _client_app(scenario_json: str, key: str) -> ClientApp:
+    if key not in _CLIENT_APPS:
+        scenario = validate_scenario(json.loads(scenario_json), "the simulated scenario")
+        if scenario_key(scenario) != key:  # the JSON round trip must give back the very same scenario
+            raise RuntimeError("the scenario sent to the client actors does not validate to the one the server runs")
+        _CLIENT_APPS.clear()  # one scenario at a time per worker process
+        _CLIENT_APPS[key] = make_client_app(scenario)
+    return _CLIENT_APPS[key]
+
+
+# --- the engine adjustments ----------------------------------------------------------------------
+_PARTITIONS: dict[int, dict[int, int]] = {}  # id(link state) -> {partition id: node id}, while simulating
+_PARTITIONS_LOCK = threading.Lock()
+
+
+def registered_partitions(grid, timeout: float) -> dict[int, int] | None:
+    """{partition id: node id} of the simulation driving `grid`, waiting up to `timeout` s for the
+    engine to register the nodes (the ServerApp thread starts first); None when `grid` does not
+    belong to a `simulate` call (then the server asks each node)."""
+    state = getattr(grid, "state", None)
+    if state is None:
+        return None
+    deadline = time.monotonic() + timeout
+    while True:
+        with _PARTITIONS_LOCK:
+            if not _ACTIVE:
+                return None
+            found = _PARTITIONS.get(id(state))
+        if found is not None:
+            return dict(found)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the simulation engine registered no nodes within {timeout:.0f}s")
+        time.sleep(0.02)
+
+
+_ACTIVE = 0  # simulate() calls in progress in this process
+
+
+def _deliver_messages(state, queue, nodes_mapping, f_stop) -> None:
+    """What vce_api.add_messages_to_queue does (move undelivered instructions for registered nodes
+    to the workers' queue, marking them delivered, dropping expired ones), with one scan of the
+    stored messages per sweep instead of one per registered node."""
+    from flwr.supercore.date import now
+
+    while not f_stop.is_set():
+        batch = []
+        with state.lock:
+            ids = {
+                mid for mid, msg in state.message_ins_store.items()
+                if msg.metadata.delivered_at == "" and msg.metadata.dst_node_id in nodes_mapping
+            }
+            if ids:
+                state._check_stored_messages(ids)  # drops expired messages, as get_message_ins does
+                delivered_at = now().isoformat()
+                for mid in ids:
+                    msg = state.message_ins_store.get(mid)
+                    if msg is not None and msg.metadata.delivered_at == "":
+                        msg.metadata.delivered_at = delivered_at
+                        batch.append(msg)
+        batch.sort(key=lambda m: m.metadata.created_at)  # in the order the server sent them
+        for msg in batch:
+            queue.put(msg)
+        f_stop.wait(0.1)
+
+
+def _engine_supports_adjustments() -> bool:
+    try:
+        from flwr.server.superlink.fleet.vce import vce_api
+        from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+        from flwr.supercore.date import now  # noqa: F401
+    except ImportError:
+        return False
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    return (
+        all(hasattr(vce_api, n) for n in ("_register_nodes", "add_messages_to_queue"))
+        and all(hasattr(InMemoryLinkState, n) for n in ("_check_stored_messages", "get_message_ins"))
+        and hasattr(BasicActorPool, "terminate_all_actors")
+    )
+
+
+@contextlib.contextmanager
+def engine_adjustments():
+    """Wrap node registration and replace message delivery in Flower's simulation engine, then restore them."""
+    global _ACTIVE
+    if not _engine_supports_adjustments():
+        log.warning("this flwr version lacks what fedsim's simulation adjustments use; running the engine as is")
+        yield
+        return
+    from flwr.server.superlink.fleet.vce import vce_api
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    original_register, original_deliver = vce_api._register_nodes, vce_api.add_messages_to_queue
+    original_terminate = BasicActorPool.terminate_all_actors
+
+    def register_nodes(num_nodes, state_factory):
+        mapping = original_register(num_nodes=num_nodes, state_factory=state_factory)
+        with _PARTITIONS_LOCK:
+            _PARTITIONS[id(state_factory.state())] = {pid: node for node, pid in mapping.items()}
+        return mapping
+
+    def deliver(state, queue, nodes_mapping, f_stop):
+        if FAST_MESSAGE_DELIVERY and hasattr(state, "message_ins_store"):
+            return _deliver_messages(state, queue, nodes_mapping, f_stop)
+        return original_deliver(state, queue, nodes_mapping, f_stop)
+
+    def terminate_all_actors(pool):
+        import ray
+
+        for actor in pool.pool:
+            ray.kill(actor, no_restart=True)
+
+    with _PARTITIONS_LOCK:
+        _ACTIVE += 1
+    vce_api._register_nodes, vce_api.add_messages_to_queue = register_nodes, deliver
+    BasicActorPool.terminate_all_actors = terminate_all_actors
+    try:
+        yield
+    finally:
+        with _PARTITIONS_LOCK:
+            _ACTIVE -= 1
+            if not _ACTIVE:
+                _PARTITIONS.clear()
+                vce_api._register_nodes, vce_api.add_messages_to_queue = original_register, original_deliver
+                BasicActorPool.terminate_all_actors = original_terminate
 
 
 def single_threaded_openblas():
     """Limit the OpenBLAS libraries already loaded in this process to one thread (restored after).
 
-    Flower starts the ServerApp in a thread while the main thread starts Ray, which forks a dozen
-    processes. OpenBLAS stops its worker threads before every fork (pthread_atfork); when the
-    ServerApp thread is inside a threaded OpenBLAS call at that moment (the edge set's PCA density
-    check is an `eigh`), that call waits for workers that are gone and spins forever. This hung
-    about one simulation in three on 2 cores. With one thread OpenBLAS never uses its pool.
+    OpenBLAS stops its worker threads before every fork (pthread_atfork). The ServerApp thread
+    starts computing (e.g. the edge set's PCA density check, an eigendecomposition that OpenBLAS
+    parallelises) while the main thread starts Ray, which forks a dozen processes: a threaded
+    call caught by a fork waits for workers that are gone and spins forever (seen here about one
+    run in five). With one thread OpenBLAS never hands work to its pool. Libraries loaded later
+    read OPENBLAS_NUM_THREADS=1, set when this module is imported.
     """
     from threadpoolctl import threadpool_info, threadpool_limits
 
@@ -79,10 +277,10 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     elif not (run_dir / "scenario.yaml").exists():
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
-    with single_threaded_openblas():
+    with engine_adjustments(), single_threaded_openblas():
         run_simulation(
             server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints),
-            client_app=client_app if client_app is not None else make_client_app(scenario),
+            client_app=client_app if client_app is not None else CompactClientApp.of(scenario),
             num_supernodes=scenario.federation.num_clients,
             backend_name="ray",
             backend_config=backend_config(scenario, verbose),

@@ -5,12 +5,22 @@ decode and check every upload (untrusted input), let server-side attacks replace
 rows, apply the defenses and the aggregator to the stacked `[n, d]` updates, and record what
 happened. Flower's own `Strategy.start` runs the round loop; the centralized `evaluate_fn` closes
 each round by evaluating the global model and appending the round's line to `rounds.jsonl`.
+
+The central evaluation of round t runs in a background thread while round t+1 trains (torch
+releases the GIL, so the server's idle core does the evaluation while the clients train), at most
+one round behind: lines are written in round order, round t's checkpoint is saved before its line,
+and the last round's evaluation finishes before the run ends. Per-round timings (encode, waiting
+for clients, decode, aggregation, evaluation) go to the `fedsim.timing` logger, not to rounds.jsonl,
+whose lines stay identical from run to run except `wall_seconds`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -33,6 +43,7 @@ from fedsim.updates import RoundContext, UpdateBatch
 from fedsim.wire import decode_upload, message_bytes, pack_model, records_bytes
 
 log = logging.getLogger("fedsim")
+timing_log = logging.getLogger("fedsim.timing")  # one INFO record per round, the seconds in `record.fedsim_timing`
 
 
 def rows_to_clients(info: dict, client_ids: tuple[int, ...]) -> dict:
@@ -56,7 +67,38 @@ def component_kwargs(spec) -> dict:
     return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
 
 
+class Background:
+    """One call in its own (non-daemon) thread; `result()` joins it and re-raises its error.
+
+    A thread per round rather than a pool: nothing is left running when a run stops halfway, and
+    the interpreter still waits for a line being evaluated before it exits.
+    """
+
+    def __init__(self, fn: Callable, args: tuple) -> None:
+        self.value, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), name="fedsim-evaluation")
+        self.thread.start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        try:
+            self.value = fn(*args)
+        except BaseException as err:  # handed to whoever waits for the result
+            self.error = err
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class ScenarioStrategy(Strategy):
+    # Switches for measuring what each one buys (benchmarks/overhead.py --disable); both on in normal use.
+    overlap_evaluation = True  # evaluate round t in a background thread while round t+1 trains
+    known_simulation_nodes = True  # in fedsim's simulation, take the node -> partition map from the engine
+    evaluation_nice = 0  # niceness of the background evaluation thread (and the torch threads it starts)
+    evaluation_threads: int | None = None  # torch threads of the background evaluation (None: torch's default)
+
     def __init__(
         self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_dir: Path | None = None
     ) -> None:
@@ -75,6 +117,11 @@ class ScenarioStrategy(Strategy):
         self.evaluator = CentralEvaluator(runtime)
         self.pending: dict = {}  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
+        self._node_pid: dict[int, int] = {}  # node id -> partition id (the inverse of node_of)
+        self._timing: dict[int, dict[str, float]] = {}  # round -> seconds spent per step (logged)
+        self._sent_at = self.t_round  # when this round's messages were handed to Flower
+        self._closing: Background | None = None  # the previous round's evaluation and line, if still running
+        self._line_at: float | None = None  # when the last round line of this run was written
 
     def global_model(self) -> torch.nn.Module:
         """The current global model as a module (what the server evaluates)."""
@@ -87,8 +134,19 @@ class ScenarioStrategy(Strategy):
 
     # --- set-up -------------------------------------------------------------------------------
     def discover_nodes(self, grid: Grid, timeout: float) -> None:
-        """Map partition ids to node ids: node ids are random per run, partition ids are what the scenario names."""
+        """Map partition ids to node ids: node ids are random per run, partition ids are what the scenario names.
+
+        Each node is asked for its partition id (a QUERY message), as a deployment must. Inside
+        fedsim's own simulation the engine's map is known where Flower registers the nodes
+        (fedsim.simulation), which saves one message per registered client at start-up.
+        """
         expected = self.scenario.federation.num_clients
+        known = self._simulation_nodes(grid, timeout) if self.known_simulation_nodes else None
+        if known is not None:
+            if sorted(known) != list(range(expected)):
+                raise RuntimeError(f"the simulation registered partitions {sorted(known)[:10]}..., expected 0..{expected - 1}")
+            self.node_of = dict(known)
+            return
         deadline = time.monotonic() + timeout
         nodes = list(grid.get_node_ids())
         while len(nodes) < expected:
@@ -110,6 +168,12 @@ class ScenarioStrategy(Strategy):
         missing = sorted(set(range(expected)) - set(self.node_of))
         if missing:
             raise RuntimeError(f"no node holds partitions {missing[:10]}{'...' if len(missing) > 10 else ''}")
+
+    @staticmethod
+    def _simulation_nodes(grid: Grid, timeout: float) -> dict[int, int] | None:
+        """{partition id: node id} as fedsim.simulation captured it for this grid, or None elsewhere."""
+        sim = sys.modules.get("fedsim.simulation")  # not imported: not fedsim's simulation
+        return None if sim is None else sim.registered_partitions(grid, timeout)
 
     # --- training round -----------------------------------------------------------------------
     def resume_from(self, state: dict) -> None:
@@ -162,6 +226,8 @@ class ScenarioStrategy(Strategy):
         }
         if groups:
             self.pending["groups"] = groups
+        self._sent_at = time.perf_counter()
+        self._timing[server_round] = {"encode": self._sent_at - self.t_round}
         return messages
 
     def sample(self, server_round: int) -> tuple[list[int], list[int]]:
@@ -188,7 +254,9 @@ class ScenarioStrategy(Strategy):
         return groups, shard_of
 
     def _pid_of_node(self, node_id: int) -> int:
-        return next((pid for pid, node in self.node_of.items() if node == node_id), -1)
+        if len(self._node_pid) != len(self.node_of):
+            self._node_pid = {node: pid for pid, node in self.node_of.items()}
+        return self._node_pid.get(node_id, -1)
 
     def _decode(self, replies: Iterable[Message]) -> tuple[list, dict, int, dict]:
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
@@ -216,8 +284,12 @@ class ScenarioStrategy(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         server_round += self.offset
+        t_start = time.perf_counter()
+        timing = self._timing.setdefault(server_round, {})
+        timing["waiting_for_clients"] = t_start - self._sent_at
         replies = list(replies)
         rows, rejected, up, losses = self._decode(replies)
+        timing["decode"] = time.perf_counter() - t_start
         record = self.pending
         answered = {self._pid_of_node(m.metadata.src_node_id) for m in replies}
         for pid in record["sampled"]:
@@ -264,7 +336,9 @@ class ScenarioStrategy(Strategy):
         if switch is not None:
             record["lowrank"] = switch
         record["model_params"] = self.layout.dim
-        return pack_model(self.global_vec, self.layout), MetricRecord({"num-updates": len(rows)})
+        arrays = pack_model(self.global_vec, self.layout)
+        timing["aggregate"] = time.perf_counter() - t_start - timing["decode"]
+        return arrays, MetricRecord({"num-updates": len(rows)})
 
     def _aggregate(self, batch: UpdateBatch, record: dict) -> torch.Tensor:
         """Run the rule; rules that pick or vote (Krum, DETOX) also report which clients, by id."""
@@ -304,6 +378,14 @@ class ScenarioStrategy(Strategy):
 
     # --- end of round: central evaluation and the round's line --------------------------------
     def end_round(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Checkpoint the round, then evaluate the global model and write the round's line.
+
+        With `overlap_evaluation` the evaluation and the line are handed to a background thread
+        and the next round starts at once; before that, the previous round's line is waited for,
+        so lines stay in order and at most one evaluation runs beside training (the two newest
+        checkpoints kept on disk then always include one whose line is written). The last round
+        is closed before returning, so the run ends with every line written.
+        """
         if server_round == 0 and self.offset:
             return None  # a resumed run: round 0 was evaluated the first time
         server_round += self.offset
@@ -315,11 +397,54 @@ class ScenarioStrategy(Strategy):
             record = {"round": 0, "bytes_up": 0, "bytes_down": 0, "sampled": [], "attackers": []}
         else:
             record = self.pending
-        if server_round == 0 or server_round % ev.every == 0 or last:
-            record.update(self.evaluator(self.global_model()))
-        record["wall_seconds"] = time.perf_counter() - self.t_round if server_round else 0.0
+        timing = self._timing.pop(server_round, {})
+        t_wait = time.perf_counter()
+        self._wait_for_previous_round()
+        timing["evaluation_wait"] = time.perf_counter() - t_wait
         if server_round:
             self.checkpoint(server_round)  # before the line: a written line always has its checkpoint
+        evaluate = server_round == 0 or server_round % ev.every == 0 or last
+        model = self.global_model() if evaluate else None  # a snapshot: the next round replaces global_vec
+        close = (server_round, record, model, timing, self.t_round)
+        if self.overlap_evaluation and not last:
+            self._closing = Background(self._close_round_in_background, close)
+            return None
+        return self._close_round(*close)
+
+    def _close_round_in_background(self, *close) -> MetricRecord:
+        if self.evaluation_threads:
+            torch.set_num_threads(self.evaluation_threads)  # per thread: the server thread keeps its own
+        if self.evaluation_nice:
+            try:  # this thread only (Linux: a thread is a task); torch's worker threads inherit it
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.evaluation_nice)
+            except (AttributeError, OSError):
+                pass
+        return self._close_round(*close)
+
+    def _wait_for_previous_round(self) -> None:
+        """Block until the previous round's line is written; re-raise its error, if any."""
+        closing, self._closing = self._closing, None
+        if closing is not None:
+            closing.result()
+
+    def _close_round(self, server_round: int, record: dict, model, timing: dict, started: float) -> MetricRecord:
+        """Evaluate (if `model` is given), then write the round's line; runs in the background thread
+        or, for the last round and without overlap, in the server thread."""
+        if model is not None:
+            t_eval = time.perf_counter()
+            record.update(self.evaluator(model))
+            timing["evaluate"] = time.perf_counter() - t_eval
+        now = time.perf_counter()
+        if server_round:
+            # seconds since the previous round's line (the round's own start for the first one):
+            # with overlapping evaluation, the rounds' wall_seconds add up to the run's time in rounds
+            record["wall_seconds"] = now - (self._line_at if self._line_at is not None else started)
+            self._line_at = now
+        else:
+            record["wall_seconds"] = 0.0
         self.on_round(record)
+        timing["wall"] = record["wall_seconds"]
+        timing_log.info("round %s timing (s): %s", server_round, ", ".join(f"{k} {v:.3f}" for k, v in timing.items()),
+                 extra={"fedsim_round": server_round, "fedsim_timing": dict(timing)})
         metrics = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         return MetricRecord(metrics)

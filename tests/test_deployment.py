@@ -1,7 +1,8 @@
 """The same apps on Flower's deployment engine: a real SuperLink and SuperNodes on loopback.
 
-Slow (real processes, a fresh ClientApp process per message): run with `pytest -m slow`.
-Every process is started in its own session and killed at the end, even on failure.
+Slow (real processes, a ClientApp process per message): run with `pytest -m slow`.
+Every process is started in its own session and killed at the end (its whole process group:
+SuperNodes take their executors and ClientApp processes with them), even on failure.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -103,6 +105,24 @@ def wait_summary(cluster: Cluster, timeout: float, run: subprocess.Popen) -> dic
     raise AssertionError(f"no summary (flwr run exit {run.poll()}); logs: {logs}")
 
 
+def in_process_rounds(tmp: Path, overrides: list[str]) -> list[dict]:
+    """The same scenario and seed on an in-process grid: the metrics every transport must reproduce."""
+    from fedsim.client_app import make_client_app
+    from fedsim.results import new_run_dir
+    from fedsim.scenario import load_scenario
+    from fedsim.server_app import run_server
+    from local_grid import LocalGrid
+
+    scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)
+    local_dir = new_run_dir(scenario, tmp / "local")
+    run_server(LocalGrid(make_client_app(scenario), 3), scenario, local_dir)
+    return read_rounds(local_dir)
+
+
+def strip(rounds: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rounds]
+
+
 def test_scenario_runs_on_superlink_with_three_supernodes(cluster):
     cluster.superlink()
     for i in range(3):
@@ -115,17 +135,50 @@ def test_scenario_runs_on_superlink_with_three_supernodes(cluster):
     assert all(r["sampled"] == [0, 1, 2] and not r["rejected"] for r in rounds)
     assert all(r["backdoor_success"] is not None and r["bytes_up"] > 0 for r in rounds)
     # the same scenario and seed in-process gives the same metrics: only the transport differs
-    from fedsim.client_app import make_client_app
-    from fedsim.results import new_run_dir
-    from fedsim.scenario import load_scenario
-    from fedsim.server_app import run_server
-    from local_grid import LocalGrid
+    assert strip(in_process_rounds(cluster.tmp, SCENARIO + ["federation.round_timeout=300"])) == strip(rounds)
 
-    scenario = load_scenario(REPO / "scenarios/quickstart.yaml", SCENARIO + ["federation.round_timeout=300"])
-    local_dir = new_run_dir(scenario, cluster.tmp / "local")
-    run_server(LocalGrid(make_client_app(scenario), 3), scenario, local_dir)
-    strip = lambda rs: [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rs]  # noqa: E731
-    assert strip(read_rounds(local_dir)) == strip(rounds)
+
+def test_process_isolation_with_forking_executor_gives_the_same_metrics(cluster):
+    """`fedsim deploy supernode --isolation process`: each SuperNode with fedsim's forking executor beside it.
+
+    The metrics must equal the in-process run's, which the default-mode test above also equals:
+    the executor changes how ClientApp processes start, not what they compute. Node 2 runs Flower's
+    own `flower-superexec` instead, so both executors serve one run.
+    """
+    cluster.superlink()
+    nodes = []
+    for i in range(3):
+        cmd = [sys.executable, "-m", "fedsim.cli", "deploy", "supernode", "--insecure", "--superlink", cluster.address,
+               "--partition", str(i), "--num-partitions", "3", "--node-port", str(free_port()),
+               "--isolation", "process", "--executor", "fork" if i < 2 else "flower"]
+        nodes.append(cluster.start(cmd, f"supernode{i}"))
+    run = cluster.run(SCENARIO + ["federation.round_timeout=300"])
+    summary = wait_summary(cluster, 600, run)
+    rounds = read_rounds(cluster.run_dir())
+    assert summary["rounds_completed"] == 2
+    assert all(r["sampled"] == [0, 1, 2] and not r["rejected"] for r in rounds)
+    logs = [(cluster.tmp / f"supernode{i}.log").read_text() for i in range(3)]
+    for log in logs[:2]:  # the node-discovery query and two train messages, each in a forked process
+        assert "fedsim executor: Runtime API" in log and log.count("-> ClientApp process") >= 3
+    assert "fedsim executor" not in logs[2] and "Start `flwr-clientapp` process" in logs[2]
+    assert strip(in_process_rounds(cluster.tmp, SCENARIO + ["federation.round_timeout=300"])) == strip(rounds)
+    # the wrapper supervises its pair: SIGTERM to it stops the SuperNode and the executor
+    os.kill(nodes[0].pid, signal.SIGTERM)
+    assert nodes[0].wait(timeout=30) == 0
+    assert group_members(nodes[0].pid) == [], "processes left in the node's process group"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group, from /proc (zombies, already dead, are not counted)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 def test_killed_supernode_does_not_hang_the_server(cluster):

@@ -13,6 +13,8 @@ def _openblas_threads() -> list[int]:
 
 
 def test_openblas_runs_single_threaded_inside_and_is_restored_after():
+    import scipy.linalg  # noqa: F401  (scipy's OpenBLAS too)
+
     np.linalg.eigh(np.eye(4))  # make sure numpy's OpenBLAS is loaded
     before = _openblas_threads()
     assert before, "numpy links OpenBLAS here; this check needs it"

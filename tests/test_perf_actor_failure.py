@@ -1,0 +1,74 @@
+"""Failure tolerance through the real Ray backend: a client whose actor process dies mid-round.
+
+Flower's actor pool hands a crashed actor back to the pool, so without a restart policy every later
+message routed to it fails too, for the rest of the run. fedsim's simulation asks Ray to restart
+client actors (backend_config: max_restarts), and the message that was running when the process
+died is retried once on the restarted actor (max_task_retries=1): a one-off crash costs nothing, a
+client that crashes its actor every time is reported in rounds.jsonl and the round aggregates the
+rest. Messages submitted while the actor restarts wait for it instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fedsim.results import read_rounds
+from fedsim.scenario import load_scenario
+from fedsim.simulation import backend_config, simulate
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.simulation
+
+
+def test_client_actors_are_restarted_after_a_crash():
+    """The actor options ask Ray to restart a dead client actor instead of leaving it dead in the
+    pool, and to retry the interrupted message once, not forever (a client that always crashes
+    would otherwise restart its actor in a loop)."""
+    scenario = load_scenario(REPO / "scenarios/quickstart.yaml")
+    resources = backend_config(scenario, verbose=False)["client_resources"]
+    assert resources["max_restarts"] != 0 and resources["max_task_retries"] == 1
+
+
+def test_a_client_whose_actor_dies_is_reported_and_the_rounds_go_on(tmp_path):
+    """Partition 2's ClientApp kills its own Ray worker process (os._exit) every time it trains, and
+    partition 4's only the first time. The task running when an actor dies is retried once on the
+    restarted actor: partition 4 recovers, partition 2 dies again and is reported; both rounds
+    aggregate the other 5, and no other client's message is lost to the restarting actor."""
+    from flwr.clientapp import ClientApp
+
+    from fedsim.client_app import make_client_app
+
+    scenario = load_scenario(REPO / "scenarios/quickstart.yaml", [
+        "federation.rounds=2", "federation.num_clients=6", "federation.clients_per_round=6", "attack=null",
+    ])
+    inner = make_client_app(scenario)
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    folder = str(crashes)
+    app = ClientApp()
+
+    @app.query()
+    def query(msg, context):
+        return inner(msg, context)
+
+    @app.train()
+    def train(msg, context):
+        pid, rnd = int(context.node_config["partition-id"]), int(msg.content["config"]["server-round"])
+        if pid == 2 or (pid == 4 and not os.path.exists(os.path.join(folder, "p4-crashed"))):
+            with open(os.path.join(folder, f"p{pid}-crashed"), "a") as fh:
+                fh.write(f"{rnd}\n")
+            os._exit(1)  # the whole actor process dies, as on a segfault or the OOM killer
+        return inner(msg, context)
+
+    run_dir = simulate(scenario, run_dir=tmp_path / "run", client_app=app)
+    rounds = read_rounds(run_dir)
+    assert [r["round"] for r in rounds] == [1, 2]
+    for r in rounds:
+        assert set(r["rejected"]) == {"2"} and "actor" in r["rejected"]["2"].lower()
+        assert r["aggregated"] == [0, 1, 3, 4, 5]
+    assert (crashes / "p2-crashed").read_text().split() == ["1", "1", "2", "2"]  # each round: run + one retry
+    assert (crashes / "p4-crashed").read_text().split() == ["1"]

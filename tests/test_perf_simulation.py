@@ -1,0 +1,135 @@
+"""The pieces that make fedsim's simulation cheap per message and at scale, each against what it replaces.
+
+* `_deliver_messages` must hand Flower's workers exactly the messages Flower's own
+  `add_messages_to_queue` hands them (same link state, same registered nodes, expired and foreign
+  messages left alone), only with one scan per sweep instead of one per registered node.
+* `CompactClientApp` must pickle small and rebuild the very same scenario in the worker.
+* Outside `simulate`, the server gets no node map and falls back to asking every node.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+import time
+
+import pytest
+from flwr.app import Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.server.superlink.fleet.vce import vce_api
+from flwr.server.superlink.linkstate import LinkStateFactory
+from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.federation import NoOpFederationManager
+from flwr.superlink.grid import InMemoryGrid
+
+from fedsim.runtime import scenario_key
+from fedsim.scenario import load_scenario
+from fedsim.simulation import CompactClientApp, _client_app, _deliver_messages, registered_partitions
+
+
+def _link_state(num_nodes: int):
+    """A link state and grid set up the way run_simulation sets them up, with `num_nodes` registered nodes."""
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+    state = factory.state()
+    run = Run.create_empty(run_id=4242)
+    run.primary_task_id = 77
+    run.federation_id = NOOP_FEDERATION_ID
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run.run_id, SUPERLINK_NODE_ID
+    state.run_ids[run.run_id] = RunRecord(run=run)
+    state.task_store[77] = Task(task_id=77, run_id=run.run_id)
+    grid = InMemoryGrid(state_factory=factory)
+    grid.set_run(run)
+    mapping = vce_api._register_nodes(num_nodes=num_nodes, state_factory=factory)
+    return state, grid, mapping
+
+
+def _deliver_with(fn, num_nodes=30, targets=(0, 3, 3, 17, 29), expired=(5,)):
+    """Push messages to the nodes of the given partitions (one with a 1 s TTL, left to expire), run
+    `fn` as the engine's delivery thread for a few sweeps; returns what it queued and what stayed behind."""
+    state, grid, mapping = _link_state(num_nodes)
+    node_of = {pid: node for node, pid in mapping.items()}
+    sent = {}
+    for pid in targets:
+        msg = Message(RecordDict(), dst_node_id=node_of[pid], message_type="query")
+        sent[grid.push_messages([msg])[0]] = pid
+    for pid in expired:
+        msg = Message(RecordDict(), dst_node_id=node_of[pid], message_type="query", ttl=1.0)
+        sent[grid.push_messages([msg])[0]] = ("expired", pid)
+    time.sleep(1.2)  # the short-lived message is now past its TTL
+    out, stop = queue.Queue(), threading.Event()
+    thread = threading.Thread(target=fn, args=(state, out, mapping, stop))
+    thread.start()
+    time.sleep(0.5)
+    stop.set()
+    thread.join()
+    delivered = []
+    while not out.empty():
+        msg = out.get()
+        delivered.append(sent[msg.metadata.message_id])
+        assert msg.metadata.delivered_at != ""
+    undelivered = sorted(
+        sent[mid] for mid, m in state.message_ins_store.items() if m.metadata.delivered_at == ""
+    )
+    return sorted(delivered, key=str), undelivered
+
+
+def test_fast_delivery_queues_what_flower_queues():
+    """Same messages delivered (both for the node holding two), the expired one dropped by both."""
+    flower = _deliver_with(vce_api.add_messages_to_queue)
+    fast = _deliver_with(_deliver_messages)
+    assert flower == fast
+    assert fast[0] == sorted([0, 3, 3, 17, 29], key=str) and fast[1] == []
+
+
+def test_fast_delivery_is_one_scan_per_sweep_not_one_per_node():
+    """With 5,000 registered nodes and 50 stored messages, Flower's loop calls get_message_ins once
+    per node per sweep (each call scanning all messages); the replacement scans the store once."""
+    state, grid, mapping = _link_state(5000)
+    calls = {"get_message_ins": 0}
+    original = state.get_message_ins
+
+    def counting(*args, **kwargs):
+        calls["get_message_ins"] += 1
+        return original(*args, **kwargs)
+
+    state.get_message_ins = counting
+    node_of = {pid: node for node, pid in mapping.items()}
+    grid.push_messages([Message(RecordDict(), dst_node_id=node_of[p], message_type="query") for p in range(0, 5000, 100)])
+    out, stop = queue.Queue(), threading.Event()
+    stop_soon = threading.Timer(0.05, stop.set)
+    stop_soon.start()
+    _deliver_messages(state, out, mapping, stop)
+    assert out.qsize() == 50 and calls["get_message_ins"] == 0
+    stop.clear()
+    threading.Timer(0.05, stop.set).start()
+    vce_api.add_messages_to_queue(state, queue.Queue(), mapping, stop)
+    assert calls["get_message_ins"] >= 5000  # Flower's loop: every registered node, every sweep
+
+
+def test_compact_client_app_pickles_small_and_rebuilds_the_same_scenario():
+    """The app crosses to the actors as the scenario's JSON (KBs, not the 200 KB pickled pydantic
+    class), and the worker rebuilds the identical scenario (same key) once, then reuses it."""
+    scenario = load_scenario("scenarios/quickstart.yaml", ["federation.rounds=3"])
+    app = CompactClientApp.of(scenario)
+    blob = pickle.dumps(app)
+    assert len(blob) < 10_000
+    clone = pickle.loads(blob)
+    assert clone.key == scenario_key(scenario)
+    built = _client_app(clone.scenario_json, clone.key)
+    assert _client_app(clone.scenario_json, clone.key) is built
+    with pytest.raises(RuntimeError, match="does not validate"):
+        _client_app(clone.scenario_json, "not-the-key")
+
+
+def test_no_node_map_outside_a_simulation():
+    """A grid that is not driven by `simulate` (deployment, the in-process test grid) gets None, so
+    ScenarioStrategy.discover_nodes asks every node for its partition."""
+    _, grid, _ = _link_state(3)
+    assert registered_partitions(grid, timeout=1.0) is None
+    assert registered_partitions(object(), timeout=1.0) is None
