@@ -104,7 +104,7 @@ class Cuttlefish(Section):
 class EvaluationSection(Section):
     every: int = Field(1, ge=1, description="central evaluation every k rounds (and always the last)")
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
-    batch_size: int = Field(1024, ge=1)
+    batch_size: int = Field(256, ge=1)
     test_subset: int | None = Field(
         None, ge=1, description="evaluate main accuracy on this many test images (a fixed seeded subset); default: all"
     )

@@ -1,0 +1,54 @@
+"""The server's central evaluation against a naive oracle: one forward per set, plain layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedsim.metrics import CentralEvaluator
+from fedsim.models.nets import LeNet
+from fedsim.scenario import load_scenario
+
+
+class _Runtime:
+    """Just what CentralEvaluator reads: test data, and an attack with its backdoor set."""
+
+    def __init__(self, scenario, x, y, backdoor):
+        self.scenario = scenario
+        self.data = type("Data", (), {"x_test": x, "y_test": y})()
+        self.attack = type("Attack", (), {"backdoor_test_set": lambda _self, _rt: backdoor})()
+
+
+def _naive(model, x, y, x_bd, t_bd, source):
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x))
+        bd = model(torch.from_numpy(x_bd)).argmax(1).numpy()
+    pred = logits.argmax(1).numpy()
+    return {
+        "main_accuracy": float((pred == y).mean()),
+        "main_loss": float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y))),
+        "backdoor_success": float((bd == t_bd).mean()),
+        "source_class_accuracy": float((pred[y == source] == source).mean()),
+    }
+
+
+@pytest.mark.parametrize("batch_size", [7, 256])
+def test_conv_model_metrics_match_a_naive_evaluation(batch_size):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, 300).astype(np.int64)
+    x_bd = rng.normal(size=(40, 1, 28, 28)).astype(np.float32)
+    t_bd = np.full(40, 1, dtype=np.int64)
+    torch.manual_seed(0)
+    model = LeNet((1, 28, 28), 10)
+    scenario = load_scenario("scenarios/quickstart.yaml", [f"evaluation.batch_size={batch_size}"])
+    y[:50] = 7  # enough source-class rows (quickstart's edge set maps 7 -> 1)
+    evaluator = CentralEvaluator(_Runtime(scenario, x, y, (x_bd, t_bd)))
+    got = evaluator(model)
+    want = _naive(model, x, y, x_bd, t_bd, 7)
+    for key in ("main_accuracy", "backdoor_success", "source_class_accuracy"):
+        assert got[key] == want[key], key
+    assert got["main_loss"] == pytest.approx(want["main_loss"], rel=1e-4)
+    assert model.conv1.weight.is_contiguous()  # the caller's model keeps its own layout
