@@ -274,7 +274,8 @@ class TimingRecords(logging.Handler):
 # Switches that turn one lever off, to measure what it buys (--disable NAME)
 LEVERS = {
     "compact-app": ("ClientApp pickled as the scenario's JSON, not by value, with every message", None, None),
-    "overlap": ("evaluation runs beside the next round's training", "fedsim.strategy", "ScenarioStrategy.overlap_evaluation"),
+    "overlap": ("evaluation beside the next round's training (evaluation.overlap, off by default): turned on", "fedsim.strategy",
+                "ScenarioStrategy.overlap_evaluation"),
     "known-nodes": ("node -> partition map taken from the engine, no QUERY round", "fedsim.strategy",
                     "ScenarioStrategy.known_simulation_nodes"),
     "fast-delivery": ("one scan of stored messages per delivery sweep", "fedsim.simulation", "FAST_MESSAGE_DELIVERY"),
@@ -291,6 +292,9 @@ def set_lever(name: str, on: bool) -> None:
     *path, last = attr.split(".")
     for part in path:
         obj = getattr(obj, part)
+    if name == "overlap":  # off by default: "disabling" the default means turning it on; None: the scenario decides
+        setattr(obj, last, None if on else True)
+        return
     setattr(obj, last, on)
 
 

@@ -105,6 +105,11 @@ class EvaluationSection(Section):
     every: int = Field(1, ge=1, description="central evaluation every k rounds (and always the last)")
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
     batch_size: int = Field(256, ge=1)
+    overlap: bool = Field(
+        False,
+        description="evaluate round t in a background thread while round t+1 trains (pays off with spare cores; "
+        "on 2 cores it was 7% slower, see docs/performance.md)",
+    )
     test_subset: int | None = Field(
         None, ge=1, description="evaluate main accuracy on this many test images (a fixed seeded subset); default: all"
     )

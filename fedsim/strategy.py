@@ -6,8 +6,8 @@ rows, apply the defenses and the aggregator to the stacked `[n, d]` updates, and
 happened. Flower's own `Strategy.start` runs the round loop; the centralized `evaluate_fn` closes
 each round by evaluating the global model and appending the round's line to `rounds.jsonl`.
 
-The central evaluation of round t runs in a background thread while round t+1 trains (torch
-releases the GIL, so the server's idle core does the evaluation while the clients train), at most
+With `evaluation.overlap` the central evaluation of round t runs in a background thread while
+round t+1 trains (torch releases the GIL, so spare cores evaluate while the clients train), at most
 one round behind: lines are written in round order, round t's checkpoint is saved before its line,
 and the last round's evaluation finishes before the run ends. Per-round timings (encode, waiting
 for clients, decode, aggregation, evaluation) go to the `fedsim.timing` logger, not to rounds.jsonl,
@@ -94,7 +94,7 @@ class Background:
 
 class ScenarioStrategy(Strategy):
     # Switches for measuring what each one buys (benchmarks/overhead.py --disable); both on in normal use.
-    overlap_evaluation = True  # evaluate round t in a background thread while round t+1 trains
+    overlap_evaluation: bool | None = None  # force evaluation.overlap on/off (None: the scenario decides)
     known_simulation_nodes = True  # in fedsim's simulation, take the node -> partition map from the engine
     evaluation_nice = 0  # niceness of the background evaluation thread (and the torch threads it starts)
     evaluation_threads: int | None = None  # torch threads of the background evaluation (None: torch's default)
@@ -380,7 +380,7 @@ class ScenarioStrategy(Strategy):
     def end_round(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Checkpoint the round, then evaluate the global model and write the round's line.
 
-        With `overlap_evaluation` the evaluation and the line are handed to a background thread
+        With `evaluation.overlap` the evaluation and the line are handed to a background thread
         and the next round starts at once; before that, the previous round's line is waited for,
         so lines stay in order and at most one evaluation runs beside training (the two newest
         checkpoints kept on disk then always include one whose line is written). The last round
@@ -406,7 +406,8 @@ class ScenarioStrategy(Strategy):
         evaluate = server_round == 0 or server_round % ev.every == 0 or last
         model = self.global_model() if evaluate else None  # a snapshot: the next round replaces global_vec
         close = (server_round, record, model, timing, self.t_round)
-        if self.overlap_evaluation and not last:
+        overlap = ev.overlap if self.overlap_evaluation is None else self.overlap_evaluation
+        if overlap and not last:
             self._closing = Background(self._close_round_in_background, close)
             return None
         return self._close_round(*close)

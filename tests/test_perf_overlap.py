@@ -1,4 +1,4 @@
-"""Central evaluation overlapped with the next round's training (ScenarioStrategy.overlap_evaluation).
+"""Central evaluation overlapped with the next round's training (evaluation.overlap).
 
 Round t's evaluation and line move to a background thread while round t+1 trains. What must not
 change: the metrics (identical with and without the overlap), the order of the lines, every line
@@ -27,8 +27,8 @@ QUICK = ["federation.rounds=4", "federation.num_clients=8", "federation.clients_
          "attack.schedule.every=2", "attack.schedule.first=1"]
 
 
-def run(tmp_path, progress=None, checkpoints=False, overrides=()):
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + list(overrides))
+def run(tmp_path, progress=None, checkpoints=False, overrides=(), overlap=True):
+    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + list(overrides) + [f"evaluation.overlap={str(overlap).lower()}"])
     run_dir = new_run_dir(scenario, tmp_path)
     grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients)
     summary = run_server(grid, scenario, run_dir, progress, checkpoints=checkpoints)
@@ -42,8 +42,7 @@ def metrics(rounds):
 @pytest.mark.parametrize("extra", [[], ["evaluation.every=3", "evaluation.initial=true"]])
 def test_overlap_gives_the_same_lines_as_evaluating_in_line(tmp_path, monkeypatch, extra):
     overlapped, _, _ = run(tmp_path / "a", overrides=extra)
-    monkeypatch.setattr(ScenarioStrategy, "overlap_evaluation", False)
-    in_line, _, _ = run(tmp_path / "b", overrides=extra)
+    in_line, _, _ = run(tmp_path / "b", overrides=extra, overlap=False)
     assert metrics(overlapped) == metrics(in_line)
     assert [r["round"] for r in overlapped] == ([0] if extra else []) + [1, 2, 3, 4]
 
@@ -74,7 +73,7 @@ def test_evaluation_really_overlaps_and_lines_stay_ordered_with_checkpoints(tmp_
         events.append(("line", record["round"], time.perf_counter()))
         checkpoints_seen[record["round"]] = (holder["dir"] / "checkpoint" / f"round-{record['round']}.pt").exists()
 
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
+    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=true"])
     holder["dir"] = run_dir = new_run_dir(scenario, tmp_path)
     run_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir, progress, checkpoints=True)
     t_returned = time.perf_counter()
@@ -107,7 +106,7 @@ def test_an_interrupted_run_keeps_the_line_being_evaluated(tmp_path, monkeypatch
 
     monkeypatch.setattr(CentralEvaluator, "__call__", slow_evaluation)
     monkeypatch.setattr(ScenarioStrategy, "aggregate_train", failing_aggregate)
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
+    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=true"])
     run_dir = new_run_dir(scenario, tmp_path)
     with pytest.raises(RuntimeError, match="server crashed in round 3"):
         run_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir)
@@ -129,7 +128,7 @@ def test_an_error_in_the_background_evaluation_stops_the_run(tmp_path, monkeypat
         return ok(self, model)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", failing_evaluation)
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
+    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=true"])
     run_dir = new_run_dir(scenario, tmp_path)
     with pytest.raises(ValueError, match="round 2"):
         run_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir)
