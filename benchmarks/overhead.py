@@ -20,9 +20,10 @@ Printed per scenario: wall time of each and the ratio fedsim / plain, the final 
 (they match closely but not bit for bit: the plain loop trains with two threads, fedsim's clients
 with one), and the time split. For the plain loop the split is sequential and adds up to the wall
 time. For fedsim the work categories are busy seconds, measured where the work runs (clients time
-their handler calls; the server records its own encode/decode, aggregation and evaluation seconds
-in rounds.jsonl `timing`), and they overlap: clients train two at a time and the central
-evaluation runs beside the next round's training, so they add up to more than the wall time.
+their handler calls; the server logs its own encode/decode, aggregation and evaluation seconds to
+the `fedsim.timing` logger), and they overlap: clients train two at a time (and, with
+`evaluation.overlap`, the central evaluation runs beside the next round's training), so they add
+up to more than the wall time.
 `framework` is the wall time outside the rounds (Ray and actor start-up, teardown) plus the
 server's time inside rounds spent neither on its own work nor waiting for a client to train.
 The cores used by the run itself come from the CPU time of this process and everything it
