@@ -272,6 +272,14 @@ class TimingRecords(logging.Handler):
             self.rounds[record.fedsim_round] = record.fedsim_timing
 
 
+# Levers that are scenario settings: "off" runs the scenario with these overrides instead
+SCENARIO_LEVERS = {
+    "one-thread-actors": ("two single-threaded client actors, not one actor with two threads",
+                          {"federation": {"client_cpus": 2.0}}),
+    "no-round-0-eval": ("no evaluation of the initial model", {"evaluation": {"initial": True}}),
+}
+
+
 # Switches that turn one lever off, to measure what it buys (--disable NAME)
 LEVERS = {
     "compact-app": ("ClientApp pickled as the scenario's JSON, not by value, with every message", None, None),
@@ -280,10 +288,22 @@ LEVERS = {
     "known-nodes": ("node -> partition map taken from the engine, no QUERY round", "fedsim.strategy",
                     "ScenarioStrategy.known_simulation_nodes"),
     "fast-delivery": ("one scan of stored messages per delivery sweep", "fedsim.simulation", "FAST_MESSAGE_DELIVERY"),
+    **{k: (what, None, None) for k, (what, _) in SCENARIO_LEVERS.items()},
 }
 
 
+def with_overrides(scenario, overrides: dict):
+    from fedsim.scenario import scenario_dict
+
+    raw = scenario_dict(scenario)
+    for section, values in overrides.items():
+        raw[section] = {**raw[section], **values}
+    return validate_scenario(raw, scenario.name)
+
+
 def set_lever(name: str, on: bool) -> None:
+    if name in SCENARIO_LEVERS:  # applied to the scenario by run_fedsim
+        return
     import importlib
 
     _, module, attr = LEVERS[name]
@@ -309,6 +329,9 @@ def run_fedsim(scenario, disabled: tuple[str, ...] = ()) -> dict:
 
     for name in LEVERS:
         set_lever(name, name not in disabled)
+    for name in disabled:
+        if name in SCENARIO_LEVERS:
+            scenario = with_overrides(scenario, SCENARIO_LEVERS[name][1])
     handler = TimingRecords()
     timing_logger = logging.getLogger("fedsim.timing")
     timing_logger.setLevel(logging.INFO)
@@ -413,6 +436,7 @@ def main() -> None:
                         help="before each scenario, wait up to this long for the machine to be idle")
     parser.add_argument("--compare", action="store_true",
                         help="also run fedsim once per lever with that lever off (to see what each buys)")
+    parser.add_argument("--levers", default=",".join(LEVERS), help="with --compare: which levers, comma-separated")
     args = parser.parse_args()
     scenarios = {"mnist": lambda: mnist_scenario(args.rounds), "digits": lambda: digits_scenario(args.digits_rounds)}
     out = {}
@@ -434,6 +458,8 @@ def main() -> None:
             print("|---|---|---:|---:|---:|")
             print(f"| (none) | | {fed['wall']:.1f} | {fed['wall'] / plain['wall']:.2f}x | {fed['start_up']:.1f} |")
             for lever, (what, _, _) in LEVERS.items():
+                if lever not in args.levers.split(","):
+                    continue
                 res = run_fedsim(scenario, (lever,))
                 out[name][f"without {lever}"] = res
                 print(f"| {lever} | {what} | {res['wall']:.1f} | {res['wall'] / plain['wall']:.2f}x | {res['start_up']:.1f} |",

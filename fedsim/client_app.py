@@ -87,8 +87,9 @@ def make_client_app(scenario=None) -> ClientApp:
 
     @app.train()
     def train_handler(msg: Message, context: Context) -> Message:
-        torch.set_num_threads(1)  # one core per client actor; parallelism comes from the actors
         rt = runtime_for(scenario_for_node(scenario if scenario is not None else scenario_from_context(context), context))
+        # as many threads as the actor has CPUs (one by default): parallelism comes from the actors
+        torch.set_num_threads(max(1, int(rt.scenario.federation.client_cpus)))
         pid = partition_id(context)
         config = msg.content["config"]
         if "fedma-step" in config:  # one exchange of FedMA's layer-wise protocol

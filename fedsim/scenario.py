@@ -55,7 +55,9 @@ class FederationSection(Section):
     lr_decay: float = Field(1.0, gt=0, le=1, description="lr in round t is lr * lr_decay**(t-1)")
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    client_cpus: float = Field(1.0, gt=0, description="CPUs per Ray client actor (1 on 2 cores gives 2 actors)")
+    client_cpus: float = Field(
+        1.0, gt=0, description="CPUs per Ray client actor (1 on 2 cores gives 2 actors); a client trains with that many torch threads (at least 1)"
+    )
     round_timeout: float = Field(600.0, gt=0, description="seconds to wait for a round's replies")
     min_replies: int = Field(1, ge=1, description="skip the round (logged) when fewer valid updates arrive")
     ray_address: str | None = Field(

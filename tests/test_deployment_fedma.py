@@ -12,7 +12,7 @@ import pytest
 
 from fedsim import deploy
 from fedsim.results import read_rounds
-from test_deployment import REPO, Cluster, wait_summary
+from test_deployment import REPO, cluster, wait_summary  # noqa: F401  (cluster: the shared fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -22,15 +22,6 @@ OVERRIDES = [
     "federation.local_epochs=2", "aggregator.retrain_epochs=1", "model.hidden=[16, 12]",
     "federation.round_timeout=300",
 ]
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def test_fedma_runs_on_superlink_like_in_process(cluster):
