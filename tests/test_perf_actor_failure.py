@@ -38,32 +38,22 @@ def test_a_client_whose_actor_dies_is_reported_and_the_rounds_go_on(tmp_path):
     partition 4's only the first time. The task running when an actor dies is retried once on the
     restarted actor: partition 4 recovers, partition 2 dies again and is reported; both rounds
     aggregate the other 5, and no other client's message is lost to the restarting actor."""
-    from flwr.clientapp import ClientApp
-
-    from fedsim.client_app import make_client_app
+    from failing_app import client_app_with_failures
 
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", [
         "federation.rounds=2", "federation.num_clients=6", "federation.clients_per_round=6", "attack=null",
     ])
-    inner = make_client_app(scenario)
     crashes = tmp_path / "crashes"
     crashes.mkdir()
     folder = str(crashes)
-    app = ClientApp()
 
-    @app.query()
-    def query(msg, context):
-        return inner(msg, context)
-
-    @app.train()
-    def train(msg, context):
-        pid, rnd = int(context.node_config["partition-id"]), int(msg.content["config"]["server-round"])
+    def crash(pid, rnd):
         if pid == 2 or (pid == 4 and not os.path.exists(os.path.join(folder, "p4-crashed"))):
             with open(os.path.join(folder, f"p{pid}-crashed"), "a") as fh:
                 fh.write(f"{rnd}\n")
             os._exit(1)  # the whole actor process dies, as on a segfault or the OOM killer
-        return inner(msg, context)
 
+    app = client_app_with_failures(scenario, crash)
     run_dir = simulate(scenario, run_dir=tmp_path / "run", client_app=app)
     rounds = read_rounds(run_dir)
     assert [r["round"] for r in rounds] == [1, 2]

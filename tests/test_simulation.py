@@ -38,25 +38,16 @@ def test_two_runs_same_seed_identical_metrics(tmp_path):
 
 def test_a_client_raising_inside_ray_is_reported_and_the_round_goes_on(tmp_path):
     """Failure injection through the real Ray backend: partition 2's ClientApp raises every time."""
-    from flwr.clientapp import ClientApp
-
-    from fedsim.client_app import make_client_app
+    from failing_app import client_app_with_failures
 
     scenario = load_scenario("scenarios/quickstart.yaml", ["federation.rounds=2", "federation.num_clients=6",
                                                            "federation.clients_per_round=6", "attack=null"])
-    inner = make_client_app(scenario)
-    app = ClientApp()
 
-    @app.query()
-    def query(msg, context):
-        return inner(msg, context)
-
-    @app.train()
-    def train(msg, context):
-        if int(context.node_config["partition-id"]) == 2:
+    def fail(pid, _rnd):
+        if pid == 2:
             raise RuntimeError("injected failure")
-        return inner(msg, context)
 
+    app = client_app_with_failures(scenario, fail)
     run_dir = simulate(scenario, run_dir=tmp_path / "run", client_app=app)
     rounds = read_rounds(run_dir)
     assert len(rounds) == 2
