@@ -288,6 +288,7 @@ LEVERS = {
     "known-nodes": ("node -> partition map taken from the engine, no QUERY round", "fedsim.strategy",
                     "ScenarioStrategy.known_simulation_nodes"),
     "fast-delivery": ("one scan of stored messages per delivery sweep", "fedsim.simulation", "FAST_MESSAGE_DELIVERY"),
+    "largest-first": ("the round's messages go out largest client first", "fedsim.strategy", "ScenarioStrategy.largest_first"),
     **{k: (what, None, None) for k, (what, _) in SCENARIO_LEVERS.items()},
 }
 

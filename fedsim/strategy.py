@@ -96,6 +96,7 @@ class ScenarioStrategy(Strategy):
     # Switches for measuring what each one buys (benchmarks/overhead.py --disable); both on in normal use.
     overlap_evaluation: bool | None = None  # force evaluation.overlap on/off (None: the scenario decides)
     known_simulation_nodes = True  # in fedsim's simulation, take the node -> partition map from the engine
+    largest_first = True  # send the round's messages largest client first (see longest_first)
     evaluation_nice = 0  # niceness of the background evaluation thread (and the torch threads it starts)
     evaluation_threads: int | None = None  # torch threads of the background evaluation (None: torch's default)
 
@@ -200,7 +201,7 @@ class ScenarioStrategy(Strategy):
         model_bytes = records_bytes({"arrays": model_record})  # the same model goes to everyone: size it once
         groups, shard_of = self._groups(sampled)
         messages, down, down_per_client = [], 0, {}
-        for pid in sampled:
+        for pid in self.longest_first(sampled, shard_of):
             cfg = {"server-round": server_round, "lr": self.rt.lr(server_round)}
             if self.lowrank.ranks:
                 cfg["model-ranks"] = json.dumps(self.lowrank.ranks, sort_keys=True)
@@ -229,6 +230,17 @@ class ScenarioStrategy(Strategy):
         self._sent_at = time.perf_counter()
         self._timing[server_round] = {"encode": self._sent_at - self.t_round}
         return messages
+
+    def longest_first(self, sampled: list[int], shard_of: dict[int, int]) -> list[int]:
+        """The sampled clients, largest partition first (ties by id): the order the messages are created
+        and so delivered in. The simulation's actors take messages in that order as they free up, so
+        the largest jobs start first and the round does not end with one actor training a big client
+        while the others idle (longest-processing-time-first scheduling). Results do not depend on it:
+        updates are aggregated in partition-id order."""
+        if not self.largest_first:
+            return list(sampled)
+        parts = self.rt.partitions
+        return sorted(sampled, key=lambda p: (-len(parts[shard_of.get(p, p)]), p))
 
     def sample(self, server_round: int) -> tuple[list[int], list[int]]:
         """This round's clients and, among them, the attackers that strike (seeded by the round)."""

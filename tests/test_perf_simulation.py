@@ -133,3 +133,21 @@ def test_no_node_map_outside_a_simulation():
     _, grid, _ = _link_state(3)
     assert registered_partitions(grid, timeout=1.0) is None
     assert registered_partitions(object(), timeout=1.0) is None
+
+
+def test_messages_go_out_largest_client_first():
+    """Longest-processing-time-first: the round's messages are created (and so delivered to the
+    actors) in decreasing partition size, ties by id; the recorded sample stays sorted by id."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedsim.runtime import runtime_for
+    from fedsim.strategy import ScenarioStrategy
+
+    scenario = load_scenario("scenarios/quickstart.yaml", ["attack=null"])
+    strategy = ScenarioStrategy(runtime_for(scenario))
+    strategy.node_of = {p: 1000 + p for p in range(scenario.federation.num_clients)}
+    messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid=None))
+    order = [m.metadata.dst_node_id - 1000 for m in messages]
+    sizes = [len(strategy.rt.partitions[p]) for p in order]
+    assert sorted(order) == strategy.pending["sampled"] and len(set(sizes)) > 1
+    assert [(-s, p) for s, p in zip(sizes, order)] == sorted((-s, p) for s, p in zip(sizes, order))
