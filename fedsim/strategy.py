@@ -272,11 +272,10 @@ class ScenarioStrategy(Strategy):
 
     def _decode(self, replies: Iterable[Message]) -> tuple[list, dict, int, dict]:
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
-        pid_of = {node: pid for pid, node in self.node_of.items()}
         rows, rejected, up, losses = [], {}, 0, {}
         up_per_client = self.pending.setdefault("bytes_up_per_client", {})
         for reply in replies:
-            pid = pid_of.get(reply.metadata.src_node_id, -1)
+            pid = self._pid_of_node(reply.metadata.src_node_id)
             if reply.has_error():
                 rejected[pid] = f"client error: {reply.error.reason}"
                 continue

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import pytest
 from fedsim.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.simulation import backend_config, ray_address, simulate
+from test_deployment import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).with_name("ray")
@@ -49,12 +49,6 @@ def test_address_from_the_scenario_or_the_environment(monkeypatch):
     pinned = load_scenario(REPO / "scenarios/quickstart.yaml", ["federation.ray_address=head.example:6380"])
     assert ray_address(pinned) == "head.example:6380"
     assert backend_config(pinned, verbose=False)["init_args"]["address"] == "head.example:6380"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _processes_naming(text: str) -> set[int]:
@@ -105,7 +99,7 @@ def test_simulation_attached_to_a_ray_cluster_started_with_ray_start(tmp_path):
     completes with the usual results, and the cluster (not a private Ray instance) ran it."""
     if not RAY.exists():
         pytest.skip("the ray command is not installed next to this Python")
-    port = _free_port()
+    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="fsray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     try:
