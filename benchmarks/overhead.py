@@ -1,6 +1,8 @@
 """fedsim against a plain PyTorch loop doing the same federated work, side by side in one process.
 
-Run: `flock /tmp/fedsim-bench.lock .venv/bin/python benchmarks/overhead.py [--rounds 10] [--only mnist|digits]`.
+Run: `flock /tmp/fedsim-bench.lock .venv/bin/python benchmarks/overhead.py [--rounds 10] [--only mnist|digits]
+[--repeat 3]`. The machine's speed drifts (here by 10-40% within minutes on a shared host): `--repeat`
+interleaves the two sides and reports the median pair.
 
 Two scenarios, each run first as a plain single-process loop written here and then through fedsim
 (Flower's Ray simulation engine):
@@ -21,8 +23,8 @@ Printed per scenario: wall time of each and the ratio fedsim / plain, the final 
 with one), and the time split. For the plain loop the split is sequential and adds up to the wall
 time. For fedsim the work categories are busy seconds, measured where the work runs (clients time
 their handler calls; the server logs its own encode/decode, aggregation and evaluation seconds to
-the `fedsim.timing` logger), and they overlap: clients train two at a time (and, with
-`evaluation.overlap`, the central evaluation runs beside the next round's training), so they add
+the `fedsim.timing` logger), and they overlap: clients train two at a time (and the central
+evaluation of round t runs beside round t+1's training, `evaluation.overlap`), so they add
 up to more than the wall time.
 `framework` is the wall time outside the rounds (Ray and actor start-up, teardown) plus the
 server's time inside rounds spent neither on its own work nor waiting for a client to train.
@@ -283,7 +285,7 @@ SCENARIO_LEVERS = {
 # Switches that turn one lever off, to measure what it buys (--disable NAME)
 LEVERS = {
     "compact-app": ("ClientApp pickled as the scenario's JSON, not by value, with every message", None, None),
-    "overlap": ("evaluation beside the next round's training (evaluation.overlap, off by default): turned on", "fedsim.strategy",
+    "overlap": ("evaluation of round t on one thread beside round t+1's training (evaluation.overlap)", "fedsim.strategy",
                 "ScenarioStrategy.overlap_evaluation"),
     "known-nodes": ("node -> partition map taken from the engine, no QUERY round", "fedsim.strategy",
                     "ScenarioStrategy.known_simulation_nodes"),
@@ -314,8 +316,8 @@ def set_lever(name: str, on: bool) -> None:
     *path, last = attr.split(".")
     for part in path:
         obj = getattr(obj, part)
-    if name == "overlap":  # off by default: "disabling" the default means turning it on; None: the scenario decides
-        setattr(obj, last, None if on else True)
+    if name == "overlap":  # on: the scenario decides (evaluation.overlap, on by default); off: forced off
+        setattr(obj, last, None if on else False)
         return
     setattr(obj, last, on)
 
@@ -429,6 +431,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="rounds of the MNIST scenario (default 10)")
     parser.add_argument("--digits-rounds", type=int, default=None, help="rounds of the quickstart (default: its 15)")
     parser.add_argument("--only", choices=["mnist", "digits"], default=None)
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run plain loop and fedsim N times, interleaved; the median pair is shown (default 1)")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw numbers to this file")
     parser.add_argument("--disable", action="append", default=[], choices=sorted(LEVERS),
                         help="run fedsim with this lever off (repeatable): " + "; ".join(
@@ -447,12 +451,21 @@ def main() -> None:
         scenario = make()
         if args.wait_quiet:
             print(f"background load before {name}: {wait_for_quiet(args.wait_quiet):.2f} cores", flush=True)
-        plain = plain_loop(scenario)
-        fed = run_fedsim(scenario, tuple(args.disable))
+        pairs = []
+        for _ in range(args.repeat):  # interleaved, so that a drift in the machine's speed hits both sides
+            plain = plain_loop(scenario)
+            pairs.append((plain, run_fedsim(scenario, tuple(args.disable))))
+        ratios = [f["wall"] / p["wall"] for p, f in pairs]
+        plain, fed = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]  # the median pair
         off = f", levers off: {', '.join(args.disable)}" if args.disable else ""
         report(f"{name} ({scenario.federation.num_clients} clients, {scenario.federation.clients_per_round} per "
                f"round, {scenario.federation.rounds} rounds{off})", plain, fed)
-        out[name] = {"plain": plain, "fedsim": fed, "ratio": fed["wall"] / plain["wall"]}
+        if len(pairs) > 1:
+            print(f"\n{len(pairs)} interleaved pairs (plain / fedsim s, ratio): " + "; ".join(
+                f"{p['wall']:.1f} / {f['wall']:.1f} ({r:.2f}x)" for (p, f), r in zip(pairs, ratios))
+                + f". Shown above: the median pair ({fed['wall'] / plain['wall']:.2f}x).")
+        out[name] = {"plain": plain, "fedsim": fed, "ratio": fed["wall"] / plain["wall"], "ratios": ratios,
+                     "pairs": [{"plain": p["wall"], "fedsim": f["wall"]} for p, f in pairs]}
         if args.compare:
             print(f"\n### {name}: each lever off in turn (same process; plain loop {plain['wall']:.1f} s)\n")
             print("| lever off | what it does | fedsim wall (s) | ratio | start-up (s) |")

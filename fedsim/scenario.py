@@ -108,9 +108,14 @@ class EvaluationSection(Section):
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
     batch_size: int = Field(256, ge=1)
     overlap: bool = Field(
-        False,
-        description="evaluate round t in a background thread while round t+1 trains (pays off with spare cores; "
-        "on 2 cores it was 7% slower, see docs/performance.md)",
+        True,
+        description="evaluate round t in a background thread while round t+1 trains (metrics unchanged; "
+        "see docs/performance.md)",
+    )
+    threads: int | None = Field(
+        None, ge=1,
+        description="torch threads of the central evaluation; default: 1 when overlapped (the client actors "
+        "have the cores), torch's default when in line",
     )
     test_subset: int | None = Field(
         None, ge=1, description="evaluate main accuracy on this many test images (a fixed seeded subset); default: all"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -97,8 +96,6 @@ class ScenarioStrategy(Strategy):
     overlap_evaluation: bool | None = None  # force evaluation.overlap on/off (None: the scenario decides)
     known_simulation_nodes = True  # in fedsim's simulation, take the node -> partition map from the engine
     largest_first = True  # send the round's messages largest client first (see longest_first)
-    evaluation_nice = 0  # niceness of the background evaluation thread (and the torch threads it starts)
-    evaluation_threads: int | None = None  # torch threads of the background evaluation (None: torch's default)
 
     def __init__(
         self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_dir: Path | None = None
@@ -421,16 +418,18 @@ class ScenarioStrategy(Strategy):
         if overlap and not last:
             self._closing = Background(self._close_round_in_background, close)
             return None
-        return self._close_round(*close)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(ev.threads or threads)
+        try:
+            return self._close_round(*close)
+        finally:
+            torch.set_num_threads(threads)
 
     def _close_round_in_background(self, *close) -> MetricRecord:
-        if self.evaluation_threads:
-            torch.set_num_threads(self.evaluation_threads)  # per thread: the server thread keeps its own
-        if self.evaluation_nice:
-            try:  # this thread only (Linux: a thread is a task); torch's worker threads inherit it
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.evaluation_nice)
-            except (AttributeError, OSError):
-                pass
+        # One thread by default: the client actors already fill the cores, and a multi-threaded
+        # evaluation beside them only oversubscribes them (measured in docs/performance.md).
+        # torch's thread count is per OS thread here: the server thread keeps its own.
+        torch.set_num_threads(self.scenario.evaluation.threads or 1)
         return self._close_round(*close)
 
     def _wait_for_previous_round(self) -> None:

@@ -138,3 +138,29 @@ def test_an_error_in_the_background_evaluation_stops_the_run(tmp_path, monkeypat
     while any(t.name.startswith("fedsim-evaluation") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [t for t in threading.enumerate() if t.name.startswith("fedsim-evaluation")]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], {1: 1, 2: 1, 3: 1, 4: "server"}),  # overlapped: one thread beside the clients; the last round in line
+    (["evaluation.threads=3"], {1: 3, 2: 3, 3: 3, 4: 3}),
+    (["evaluation.overlap=false"], {r: "server" for r in (1, 2, 3, 4)}),
+    (["evaluation.overlap=false", "evaluation.threads=1"], {r: 1 for r in (1, 2, 3, 4)}),
+])
+def test_evaluation_threads(tmp_path, monkeypatch, overrides, expected):
+    """The evaluation runs on `evaluation.threads` torch threads (default: 1 when overlapped, the
+    server's own count in line), and the server thread's own count is left as it was."""
+    import torch
+
+    seen = {}
+    ok = CentralEvaluator.__call__
+    server_threads = torch.get_num_threads()
+
+    def recording(self, model):
+        seen[len(seen) + 1] = torch.get_num_threads()
+        return ok(self, model)
+
+    monkeypatch.setattr(CentralEvaluator, "__call__", recording)
+    overlap = "evaluation.overlap=false" not in overrides
+    run(tmp_path, overrides=[o for o in overrides if "overlap" not in o], overlap=overlap)
+    assert seen == {r: server_threads if v == "server" else v for r, v in expected.items()}
+    assert torch.get_num_threads() == server_threads
