@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "or Flower's flower-superexec, a fresh flwr-clientapp per message (flower)")
     dep.add_argument("--poll-interval", type=float, default=0.2, help="fork executor: seconds between task polls when idle")
     dep.add_argument("--preload", default=None, help="fork executor: modules imported once, comma-separated "
-                                                     "(default torch,torch._dynamo,numpy,pydantic,yaml)")
+                                                     "(default torch,numpy,pydantic,yaml)")
     dep.add_argument("--runtime-api", default=None, help="executor: the SuperNode's Runtime API (default 127.0.0.1:<node port>)")
     dep.add_argument("--runtime-root-cert", type=Path, default=None, help="executor: CA of a TLS Runtime API (SuperNode --ssl-*)")
     dep.add_argument("--dry-run", action="store_true", help="print the Flower command and stop")

@@ -39,9 +39,9 @@ POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 FAST_POLL_SECONDS = 0.2
 # Imported once by `serve_clientapps` before it forks: what every fedsim ClientApp process imports
 # anyway. Only third-party modules: the app's own code must come from the FAB in each child.
-# torch._dynamo is imported by the first torch.optim optimizer a process creates (1.5-2.6 s here).
+# Not torch._dynamo: fedsim's training no longer creates a torch.optim optimizer, which imported it.
 # Not scikit-learn: importing it starts threads, and a process with threads should not fork.
-PRELOAD = ("torch", "torch._dynamo", "numpy", "pydantic", "yaml")
+PRELOAD = ("torch", "numpy", "pydantic", "yaml")
 
 
 @dataclass(frozen=True)
