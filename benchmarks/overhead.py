@@ -51,7 +51,6 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import fedsim.simulation  # noqa: E402,F401  (sets Flower/Ray environment defaults before they are imported)
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
@@ -290,6 +289,7 @@ LEVERS = {
     "known-nodes": ("node -> partition map taken from the engine, no QUERY round", "fedsim.strategy",
                     "ScenarioStrategy.known_simulation_nodes"),
     "fast-delivery": ("one scan of stored messages per delivery sweep", "fedsim.simulation", "FAST_MESSAGE_DELIVERY"),
+    "light-actor": ("fedsim's client actor class, cheap to import (not Flower's)", "fedsim.simulation", "LIGHT_ACTOR"),
     "largest-first": ("the round's messages go out largest client first", "fedsim.strategy", "ScenarioStrategy.largest_first"),
     **{k: (what, None, None) for k, (what, _) in SCENARIO_LEVERS.items()},
 }
@@ -325,7 +325,8 @@ def set_lever(name: str, on: bool) -> None:
 def run_fedsim(scenario, disabled: tuple[str, ...] = ()) -> dict:
     from ray import cloudpickle
 
-    from fedsim.simulation import CompactClientApp, simulate
+    from fedsim.ray_actor import CompactClientApp
+    from fedsim.simulation import simulate
 
     if __name__ != "__main__":  # imported (not run as a script): the actors cannot import this module
         cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -13,16 +13,16 @@ wrapped or replaced, and restored afterwards:
   replacement scans the stored messages once per sweep and delivers the same messages;
 * actor shutdown: the client actors are killed with `ray.kill(no_restart=True)` rather than asked
   to exit through a task, which the restart policy below would otherwise report as a failed task
-  to retry.
+  to retry;
+* the actor class: fedsim's `ClientActor` (fedsim/ray_actor.py), Flower's `ClientAppActor` defined
+  in a module that is cheap to import in every actor.
 
 If the installed Flower lacks what these rely on, `simulate` leaves the engine alone (it stays
 correct, only slower at scale).
 
-The engine pickles the ClientApp with every message it sends to a Ray actor. fedsim's ClientApp
-closes over the scenario, whose pydantic class is built at run time and so is pickled by value:
-200 KB and ~20 ms to pickle in the server process plus ~50 ms to unpickle in the actor, per
-message. `simulate` sends a `CompactClientApp` instead, pickled as the scenario's JSON text; each
-worker process builds the real ClientApp from it once and reuses it.
+The engine pickles the ClientApp with every message it sends to a Ray actor: `simulate` sends a
+`CompactClientApp` (fedsim/ray_actor.py), pickled as the scenario's JSON text; each worker process
+builds the real ClientApp from it once and reuses it.
 
 `federation.ray_address` (or the RAY_ADDRESS environment variable) attaches the simulation to an
 existing Ray cluster instead of starting a local one; see docs/performance.md.
@@ -31,7 +31,6 @@ existing Ray cluster instead of starting a local one; see docs/performance.md.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -49,16 +48,15 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # see single_threaded_openblas() for why, and the client actors are single-threaded anyway.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from flwr.clientapp import ClientApp  # noqa: E402
-
-from fedsim.client_app import make_client_app  # noqa: E402
+from fedsim.ray_actor import ClientActor, CompactClientApp  # noqa: E402
 from fedsim.results import new_run_dir  # noqa: E402
-from fedsim.runtime import scenario_key  # noqa: E402
-from fedsim.scenario import dump_scenario, scenario_dict, validate_scenario  # noqa: E402
+from fedsim.scenario import dump_scenario  # noqa: E402
 from fedsim.server_app import make_server_app  # noqa: E402
 
 OBJECT_STORE_BYTES = 256 * 1024**2
 FAST_MESSAGE_DELIVERY = True  # switch for benchmarks/overhead.py --disable; on in normal use
+DELIVERY_SWEEP_SECONDS = 0.02  # Flower's loop sweeps every 0.1 s; one sweep here scans only the messages in flight
+LIGHT_ACTOR = True  # the same: fedsim's ClientActor instead of Flower's ClientAppActor
 
 log = logging.getLogger("fedsim")
 
@@ -96,38 +94,6 @@ def backend_config(scenario, verbose: bool) -> dict:
         },
         "init_args": init_args,
     }
-
-
-# --- a ClientApp that is cheap to send with every message -------------------------------------------
-class CompactClientApp(ClientApp):
-    """`make_client_app(scenario)`, pickled as the scenario's JSON text and rebuilt once per process."""
-
-    def __init__(self, scenario_json: str, key: str) -> None:
-        super().__init__()
-        self.scenario_json, self.key = scenario_json, key
-
-    @classmethod
-    def of(cls, scenario) -> "CompactClientApp":
-        return cls(json.dumps(scenario_dict(scenario), sort_keys=True), scenario_key(scenario))
-
-    def __reduce__(self):
-        return (CompactClientApp, (self.scenario_json, self.key))
-
-    def __call__(self, message, context):
-        return _client_app(self.scenario_json, self.key)(message, context)
-
-
-_CLIENT_APPS: dict[str, ClientApp] = {}
-
-
-def _client_app(scenario_json: str, key: str) -> ClientApp:
-    if key not in _CLIENT_APPS:
-        scenario = validate_scenario(json.loads(scenario_json), "the simulated scenario")
-        if scenario_key(scenario) != key:  # the JSON round trip must give back the very same scenario
-            raise RuntimeError("the scenario sent to the client actors does not validate to the one the server runs")
-        _CLIENT_APPS.clear()  # one scenario at a time per worker process
-        _CLIENT_APPS[key] = make_client_app(scenario)
-    return _CLIENT_APPS[key]
 
 
 # --- the engine adjustments ----------------------------------------------------------------------
@@ -182,7 +148,7 @@ def _deliver_messages(state, queue, nodes_mapping, f_stop) -> None:
         batch.sort(key=lambda m: m.metadata.created_at)  # in the order the server sent them
         for msg in batch:
             queue.put(msg)
-        f_stop.wait(0.1)
+        f_stop.wait(DELIVERY_SWEEP_SECONDS)
 
 
 def _engine_supports_adjustments() -> bool:
@@ -192,10 +158,12 @@ def _engine_supports_adjustments() -> bool:
         from flwr.supercore.date import now  # noqa: F401
     except ImportError:
         return False
+    from flwr.server.superlink.fleet.vce.backend import raybackend
     from flwr.simulation.ray_transport.ray_actor import BasicActorPool
 
     return (
-        all(hasattr(vce_api, n) for n in ("_register_nodes", "add_messages_to_queue"))
+        hasattr(raybackend, "ClientAppActor")
+        and all(hasattr(vce_api, n) for n in ("_register_nodes", "add_messages_to_queue"))
         and all(hasattr(InMemoryLinkState, n) for n in ("_check_stored_messages", "get_message_ins"))
         and hasattr(BasicActorPool, "terminate_all_actors")
     )
@@ -210,10 +178,11 @@ def engine_adjustments():
         yield
         return
     from flwr.server.superlink.fleet.vce import vce_api
+    from flwr.server.superlink.fleet.vce.backend import raybackend
     from flwr.simulation.ray_transport.ray_actor import BasicActorPool
 
     original_register, original_deliver = vce_api._register_nodes, vce_api.add_messages_to_queue
-    original_terminate = BasicActorPool.terminate_all_actors
+    original_terminate, original_actor = BasicActorPool.terminate_all_actors, raybackend.ClientAppActor
 
     def register_nodes(num_nodes, state_factory):
         mapping = original_register(num_nodes=num_nodes, state_factory=state_factory)
@@ -236,6 +205,8 @@ def engine_adjustments():
         _ACTIVE += 1
     vce_api._register_nodes, vce_api.add_messages_to_queue = register_nodes, deliver
     BasicActorPool.terminate_all_actors = terminate_all_actors
+    if LIGHT_ACTOR:
+        raybackend.ClientAppActor = ClientActor
     try:
         yield
     finally:
@@ -245,6 +216,7 @@ def engine_adjustments():
                 _PARTITIONS.clear()
                 vce_api._register_nodes, vce_api.add_messages_to_queue = original_register, original_deliver
                 BasicActorPool.terminate_all_actors = original_terminate
+                raybackend.ClientAppActor = original_actor
 
 
 def single_threaded_openblas():

@@ -144,6 +144,10 @@ class ScenarioStrategy(Strategy):
             if sorted(known) != list(range(expected)):
                 raise RuntimeError(f"the simulation registered partitions {sorted(known)[:10]}..., expected 0..{expected - 1}")
             self.node_of = dict(known)
+            # Flower's in-memory grid looks for replies every 0.1 s; in-process that is one dict
+            # lookup, so look every 0.01 s: each exchange ends ~0.05 s sooner on average.
+            if hasattr(grid, "pull_interval"):
+                grid.pull_interval = min(grid.pull_interval, 0.01)
             return
         deadline = time.monotonic() + timeout
         nodes = list(grid.get_node_ids())

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pickle
 import queue
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from flwr.app import Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.server.superlink.fleet.vce import vce_api
@@ -28,9 +30,10 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
+from fedsim.ray_actor import CompactClientApp, _client_app
 from fedsim.runtime import scenario_key
 from fedsim.scenario import load_scenario
-from fedsim.simulation import CompactClientApp, _client_app, _deliver_messages, registered_partitions
+from fedsim.simulation import _deliver_messages, registered_partitions
 
 
 def _link_state(num_nodes: int):
@@ -151,3 +154,57 @@ def test_messages_go_out_largest_client_first():
     sizes = [len(strategy.rt.partitions[p]) for p in order]
     assert sorted(order) == strategy.pending["sampled"] and len(set(sizes)) > 1
     assert [(-s, p) for s, p in zip(sizes, order)] == sorted((-s, p) for s, p in zip(sizes, order))
+
+
+def test_client_actor_keeps_flowers_actor_contract():
+    """fedsim's actor class does what Flower's ClientAppActor.run does: (cid, reply, context) back,
+    a failing app as ClientAppException (the engine reports it and the round goes on), a ClientApp
+    that cannot be loaded as LoadClientAppError (the engine stops the simulation)."""
+    from flwr.app import Context
+    from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
+
+    from fedsim.ray_actor import ClientAppRunner
+
+    context = Context(run_id=1, node_id=2, node_config={}, state=RecordDict(), run_config={})
+    message = Message(RecordDict(), dst_node_id=2, message_type="query")
+
+    def app(message, context):
+        context.state["seen"] = ConfigRecord({"yes": 1})
+        return "reply"
+
+    assert ClientAppRunner().run(lambda: app, message, "7", context) == ("7", "reply", context)
+    assert context.state["seen"]["yes"] == 1
+
+    def broken(message, context):
+        raise ValueError("client blew up")
+
+    with pytest.raises(ClientAppException, match="client blew up"):
+        ClientAppRunner().run(lambda: broken, message, "7", context)
+
+    def unloadable():
+        raise LoadClientAppError("no such app")
+
+    with pytest.raises(LoadClientAppError):
+        ClientAppRunner().run(unloadable, message, "7", context)
+
+
+def test_actor_module_is_cheap_to_import():
+    """What a client actor imports for its class and its ClientApp leaves flwr.simulation (the
+    link state, SQLAlchemy, FastAPI), fedsim's server side and torch (imported with the first message) out."""
+    code = ("import sys, fedsim.ray_actor\n"
+            "print(sorted(m for m in ('flwr.simulation', 'sqlalchemy', 'fastapi', 'fedsim.server_app', 'torch')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_simulate_swaps_the_actor_class_and_restores_it():
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    from fedsim.ray_actor import ClientActor
+    from fedsim.simulation import engine_adjustments
+
+    original = raybackend.ClientAppActor
+    with engine_adjustments():
+        assert raybackend.ClientAppActor is ClientActor
+    assert raybackend.ClientAppActor is original

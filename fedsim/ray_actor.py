@@ -1,0 +1,85 @@
+"""What a simulation sends to its Ray client actors, defined where importing it is cheap.
+
+Every client actor imports the module of its actor class and of the ClientApp it is handed
+before it trains anyone. Flower's actor class lives in `flwr.simulation.ray_transport.ray_actor`,
+and importing it runs `flwr/simulation/__init__.py`, which pulls in the whole link state (SQLAlchemy,
+alembic, FastAPI): 1.1-1.5 s of CPU per actor, measured, on the critical path of start-up. This
+module needs only Ray and `flwr.clientapp`; fedsim's own client code is imported on the first
+message, as before.
+"""
+
+from __future__ import annotations
+
+import json
+
+import ray
+from flwr.clientapp.client_app import ClientApp, ClientAppException, LoadClientAppError
+
+
+class ClientAppRunner:
+    """Flower's `ClientAppActor`, the same contract: `run` hands the message to the ClientApp and
+    returns (cid, reply, context); a failing app surfaces as `ClientAppException`, a ClientApp
+    that cannot be loaded as `LoadClientAppError` (Flower stops the simulation on that one)."""
+
+    def __init__(self, on_actor_init_fn=None) -> None:
+        if on_actor_init_fn:
+            on_actor_init_fn()
+
+    def run(self, client_app_fn, message, cid: str, context):
+        try:
+            app = client_app_fn()
+            out_message = app(message=message, context=context)
+        except LoadClientAppError:
+            raise
+        except Exception as ex:
+            raise ClientAppException(str(ex)) from ex
+        return cid, out_message, context
+
+    def terminate(self) -> None:
+        ray.actor.exit_actor()
+
+
+ClientActor = ray.remote(ClientAppRunner)  # what the engine creates in each worker
+
+
+class CompactClientApp(ClientApp):
+    """`make_client_app(scenario)`, pickled as the scenario's JSON text and rebuilt once per process.
+
+    The engine pickles the ClientApp with every message. fedsim's ClientApp closes over the
+    scenario, whose pydantic class is built at run time and so is pickled by value: 200 KB and
+    ~20 ms to pickle in the server process plus ~50 ms to unpickle in the actor, per message.
+    """
+
+    def __init__(self, scenario_json: str, key: str) -> None:
+        super().__init__()
+        self.scenario_json, self.key = scenario_json, key
+
+    @classmethod
+    def of(cls, scenario) -> "CompactClientApp":
+        from fedsim.runtime import scenario_key
+        from fedsim.scenario import scenario_dict
+
+        return cls(json.dumps(scenario_dict(scenario), sort_keys=True), scenario_key(scenario))
+
+    def __reduce__(self):
+        return (CompactClientApp, (self.scenario_json, self.key))
+
+    def __call__(self, message, context):
+        return _client_app(self.scenario_json, self.key)(message, context)
+
+
+_CLIENT_APPS: dict[str, ClientApp] = {}
+
+
+def _client_app(scenario_json: str, key: str) -> ClientApp:
+    if key not in _CLIENT_APPS:
+        from fedsim.client_app import make_client_app
+        from fedsim.runtime import scenario_key
+        from fedsim.scenario import validate_scenario
+
+        scenario = validate_scenario(json.loads(scenario_json), "the simulated scenario")
+        if scenario_key(scenario) != key:  # the JSON round trip must give back the very same scenario
+            raise RuntimeError("the scenario sent to the client actors does not validate to the one the server runs")
+        _CLIENT_APPS.clear()  # one scenario at a time per worker process
+        _CLIENT_APPS[key] = make_client_app(scenario)
+    return _CLIENT_APPS[key]
