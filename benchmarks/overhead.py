@@ -51,6 +51,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import fedsim.simulation  # noqa: E402,F401  (sets Flower/Ray environment defaults before they are imported)
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
@@ -176,9 +177,12 @@ def plain_loop(scenario) -> dict:
     cpu0, tree, t0 = cpu_jiffies(), TreeCPU(), time.perf_counter()
 
     rt = Runtime(scenario)  # fedsim's loaders: the very arrays fedsim's clients and server use
-    x_train, y_train = torch.from_numpy(rt.data.x_train), torch.from_numpy(rt.data.y_train)
+    def tensor(a):  # into memory: fedsim's cache hands large arrays over memory-mapped, read-only
+        return torch.from_numpy(np.array(a))
+
+    x_train, y_train = tensor(rt.data.x_train), tensor(rt.data.y_train)
     parts = [torch.from_numpy(p) for p in rt.partitions]
-    x_test, y_test = torch.from_numpy(rt.data.x_test), torch.from_numpy(rt.data.y_test)
+    x_test, y_test = tensor(rt.data.x_test), tensor(rt.data.y_test)
     x_bd, y_bd = (torch.from_numpy(a) for a in rt.attack.backdoor_test_set(rt)) if rt.attack else (None, None)
     source = scenario.attack.edge_set.source_class if rt.attack else None
     model = rt.build_model()

@@ -22,6 +22,7 @@ class CentralEvaluator:
         if subset is not None and subset < len(self.y):  # a fixed seeded subset, the same every round
             keep = np.sort(numpy_rng(scenario.seed, SERVER, 0).choice(len(self.y), subset, replace=False))
             self.x, self.y = self.x[keep], self.y[keep]
+        self.y = np.array(self.y)  # labels in memory (a cached test set may be memory-mapped, read-only)
         self.backdoor = runtime.attack.backdoor_test_set(runtime) if runtime.attack is not None else None
         self.source = getattr(getattr(scenario.attack, "edge_set", None), "source_class", None)
 

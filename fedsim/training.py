@@ -102,7 +102,8 @@ def predict(model: nn.Module, x: np.ndarray, batch_size: int = 256, channels_las
     model.eval()
     outs = []
     for i in range(0, len(x), batch_size):
-        batch = torch.from_numpy(x[i : i + batch_size])
+        chunk = x[i : i + batch_size]
+        batch = torch.from_numpy(chunk if chunk.flags.writeable else np.array(chunk))  # a memory-mapped set is read-only
         if channels_last and batch.ndim == 4:
             batch = batch.contiguous(memory_format=torch.channels_last)
         outs.append(model(batch))

@@ -15,7 +15,7 @@ def test_cached_dataset_and_partitions_equal_fresh_ones(tmp_path, monkeypatch):
     scenario = validate_scenario({"federation": {"num_clients": 12}})
     first = Runtime(scenario)
     data, parts = first.data, first.partitions
-    assert len(list(tmp_path.glob("dataset-*.npz"))) == 1 and len(list(tmp_path.glob("partition-*.npz"))) == 1
+    assert len(list(tmp_path.glob("dataset-*"))) == 1 and len(list(tmp_path.glob("partition-*"))) == 1
     again = Runtime(scenario)  # served from disk
     np.testing.assert_array_equal(again.data.x_train, data.x_train)
     np.testing.assert_array_equal(again.data.y_test, data.y_test)
@@ -39,3 +39,31 @@ def test_keys_follow_their_inputs(tmp_path, monkeypatch):
     before = folder_fingerprint(data)
     (data / "mnist.npz").write_bytes(b"xy")
     assert folder_fingerprint(data) != before
+
+
+def test_large_arrays_come_back_memory_mapped_read_only(tmp_path, monkeypatch):
+    """Above MMAP_BYTES an array is mapped, not read: equal to the fresh one, read-only, and usable
+    everywhere the runtime uses it (client data, evaluation) without torch's non-writable warning."""
+    import warnings
+
+    import fedsim.diskcache as diskcache
+    from fedsim.metrics import CentralEvaluator
+
+    monkeypatch.setenv("FEDSIM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(diskcache, "MMAP_BYTES", 100_000)  # digits' x_train (1437 x 64 float32) is 368 KB
+    scenario = validate_scenario({"federation": {"num_clients": 12}})
+    fresh = Runtime(scenario).data
+    cached = Runtime(scenario)
+    x = cached.data.x_train
+    assert isinstance(x, np.memmap) and not x.flags.writeable
+    assert not isinstance(cached.data.y_train, np.memmap)  # small: read into memory
+    np.testing.assert_array_equal(x, fresh.x_train)
+    monkeypatch.setattr(diskcache, "MMAP_BYTES", 1)  # the test set mapped too
+    mapped = Runtime(scenario)
+    assert isinstance(mapped.data.x_test, np.memmap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xc, _ = mapped.client_data(0)
+        assert xc.flags.writeable
+        model = mapped.build_model()
+        assert CentralEvaluator(mapped)(model) == CentralEvaluator(Runtime(scenario))(model)
