@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -30,6 +31,18 @@ def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: 
     With `checkpoints`, server and client state are saved every round under `run_dir/checkpoint`,
     and a run folder that already holds completed rounds is resumed after the last of them.
     """
+    return drive_server(grid, scenario, run_dir, progress, checkpoints)()
+
+
+def drive_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: bool = False,
+                 defer_last_evaluation: bool = False) -> Callable[[], dict]:
+    """Run the rounds of `run_server`; returns the call that completes the run (waits for the last
+    round's line, writes and returns the summary).
+
+    With `defer_last_evaluation` (and `evaluation.overlap`), this returns as soon as the last round
+    is aggregated and its evaluation runs in the background: the simulation engine then stops its
+    client actors and Ray (about 2 s) while the global model is evaluated, instead of after.
+    """
     rt = runtime_for(scenario)
     fed = scenario.federation
 
@@ -39,18 +52,23 @@ def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: 
             progress(record)
 
     strategy = strategy_class(scenario)(rt, on_round=on_round, checkpoint_dir=server_dir(run_dir) if checkpoints else None)
+    strategy.defer_last_round = defer_last_evaluation
     done = prepare_resume(run_dir, strategy) if checkpoints else 0
-    if done >= fed.rounds:
+    if done < fed.rounds:
+        strategy.discover_nodes(grid, timeout=fed.round_timeout)
+        strategy.start(
+            grid=grid,
+            initial_arrays=pack_model(strategy.global_vec, strategy.layout),
+            num_rounds=fed.rounds - done,
+            timeout=fed.round_timeout,
+            evaluate_fn=strategy.end_round,
+        )
+
+    def complete() -> dict:
+        strategy.wait_for_lines()
         return finish(run_dir, scenario, rt)
-    strategy.discover_nodes(grid, timeout=fed.round_timeout)
-    strategy.start(
-        grid=grid,
-        initial_arrays=pack_model(strategy.global_vec, strategy.layout),
-        num_rounds=fed.rounds - done,
-        timeout=fed.round_timeout,
-        evaluate_fn=strategy.end_round,
-    )
-    return finish(run_dir, scenario, rt)
+
+    return complete
 
 
 def prepare_resume(run_dir: Path, strategy: ScenarioStrategy) -> int:
@@ -81,8 +99,14 @@ def finish(run_dir: Path, scenario, rt) -> dict:
     return summary
 
 
-def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, checkpoints: bool = False) -> ServerApp:
-    """A ServerApp for `scenario` (simulation), or reading it from the run config (deployment)."""
+def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, checkpoints: bool = False,
+                    on_rounds_done: Callable[[Callable[[], dict]], None] | None = None) -> ServerApp:
+    """A ServerApp for `scenario` (simulation), or reading it from the run config (deployment).
+
+    With `on_rounds_done` (fedsim's simulation), the app hands it the call that completes the run
+    and returns without waiting for the last round's evaluation (see `drive_server`); the caller
+    must make that call after the engine has stopped.
+    """
     from fedsim.deploy_config import scenario_from_context
 
     app = ServerApp()
@@ -95,7 +119,10 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
             folder = new_run_dir(scen, out)
         else:
             folder = run_dir
-        run_server(grid, scen, folder, progress, checkpoints)
+        if on_rounds_done is None:
+            run_server(grid, scen, folder, progress, checkpoints)
+        else:
+            on_rounds_done(drive_server(grid, scen, folder, progress, checkpoints, defer_last_evaluation=True))
 
     return app
 

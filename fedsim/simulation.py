@@ -249,15 +249,19 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     elif not (run_dir / "scenario.yaml").exists():
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
+    completions = []  # the ServerApp hands over the rest of the run: the last evaluation and the summary
     with engine_adjustments(), single_threaded_openblas():
         run_simulation(
-            server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints),
+            server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints,
+                                       on_rounds_done=completions.append),
             client_app=client_app if client_app is not None else CompactClientApp.of(scenario),
             num_supernodes=scenario.federation.num_clients,
             backend_name="ray",
             backend_config=backend_config(scenario, verbose),
             verbose_logging=verbose,
         )
+        for complete in completions:  # the engine has stopped its actors and Ray meanwhile
+            complete()
     if not (run_dir / "summary.json").exists():
         raise RuntimeError(f"the simulation ended without finishing the run; partial results are in {run_dir}")
     return run_dir

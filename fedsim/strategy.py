@@ -96,6 +96,7 @@ class ScenarioStrategy(Strategy):
     overlap_evaluation: bool | None = None  # force evaluation.overlap on/off (None: the scenario decides)
     known_simulation_nodes = True  # in fedsim's simulation, take the node -> partition map from the engine
     largest_first = True  # send the round's messages largest client first (see longest_first)
+    defer_last_round = False  # evaluate the last round in the background too (fedsim's simulation: see drive_server)
 
     def __init__(
         self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_dir: Path | None = None
@@ -419,8 +420,11 @@ class ScenarioStrategy(Strategy):
         model = self.global_model() if evaluate else None  # a snapshot: the next round replaces global_vec
         close = (server_round, record, model, timing, self.t_round)
         overlap = ev.overlap if self.overlap_evaluation is None else self.overlap_evaluation
-        if overlap and not last:
-            self._closing = Background(self._close_round_in_background, close)
+        if overlap and (not last or self.defer_last_round):
+            # beside the next round: one thread by default (the client actors have the cores);
+            # the last round's, deferred past the engine's shutdown: as many as in line
+            threads = ev.threads or (None if last else 1)
+            self._closing = Background(self._close_round_in_background, (threads, *close))
             return None
         threads = torch.get_num_threads()
         torch.set_num_threads(ev.threads or threads)
@@ -429,12 +433,17 @@ class ScenarioStrategy(Strategy):
         finally:
             torch.set_num_threads(threads)
 
-    def _close_round_in_background(self, *close) -> MetricRecord:
-        # One thread by default: the client actors already fill the cores, and a multi-threaded
-        # evaluation beside them only oversubscribes them (measured in docs/performance.md).
-        # torch's thread count is per OS thread here: the server thread keeps its own.
-        torch.set_num_threads(self.scenario.evaluation.threads or 1)
+    def _close_round_in_background(self, threads: int | None, *close) -> MetricRecord:
+        # A multi-threaded evaluation beside the client actors only oversubscribes the cores they
+        # already fill (measured in docs/performance.md). torch's thread count is per OS thread
+        # here: the server thread keeps its own.
+        if threads:
+            torch.set_num_threads(threads)
         return self._close_round(*close)
+
+    def wait_for_lines(self) -> None:
+        """Block until every round's line is written (the last evaluation may still be running)."""
+        self._wait_for_previous_round()
 
     def _wait_for_previous_round(self) -> None:
         """Block until the previous round's line is written; re-raise its error, if any."""

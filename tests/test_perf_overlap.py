@@ -164,3 +164,37 @@ def test_evaluation_threads(tmp_path, monkeypatch, overrides, expected):
     run(tmp_path, overrides=[o for o in overrides if "overlap" not in o], overlap=overlap)
     assert seen == {r: server_threads if v == "server" else v for r, v in expected.items()}
     assert torch.get_num_threads() == server_threads
+
+
+def test_deferred_last_evaluation_completes_after_return(tmp_path, monkeypatch):
+    """fedsim's simulation lets the ServerApp return while the last round is evaluated (the engine
+    shuts down meanwhile): `drive_server` returns before the last line, and its completion call
+    writes it and the summary, the same as `run_server`'s. Without the overlap nothing is deferred."""
+    from fedsim.server_app import drive_server
+
+    slow = CentralEvaluator.__call__
+
+    def slow_evaluation(self, model):
+        time.sleep(0.4)
+        return slow(self, model)
+
+    monkeypatch.setattr(CentralEvaluator, "__call__", slow_evaluation)
+    scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
+    run_dir = new_run_dir(scenario, tmp_path / "deferred")
+    complete = drive_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir, defer_last_evaluation=True)
+    assert [r["round"] for r in read_rounds(run_dir)] == [1, 2, 3]
+    assert not (run_dir / "summary.json").exists()
+    summary = complete()
+    assert [r["round"] for r in read_rounds(run_dir)] == [1, 2, 3, 4] and (run_dir / "summary.json").exists()
+    reference, summary_in_line, _ = run(tmp_path / "in_line")
+    assert metrics(read_rounds(run_dir)) == metrics(reference)
+    def same(d):
+        return {k: v for k, v in d.items() if k not in ("run_dir", "wall_seconds")}
+
+    assert same(summary) == same(summary_in_line)
+
+    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=false"])
+    run_dir = new_run_dir(scenario, tmp_path / "no_overlap")
+    complete = drive_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir, defer_last_evaluation=True)
+    assert [r["round"] for r in read_rounds(run_dir)] == [1, 2, 3, 4]
+    complete()
