@@ -121,6 +121,11 @@ class ScenarioStrategy(Strategy):
         self._sent_at = self.t_round  # when this round's messages were handed to Flower
         self._closing: Background | None = None  # the previous round's evaluation and line, if still running
         self._line_at: float | None = None  # when the last round line of this run was written
+        # torch threads of an evaluation in line: the process's count now. Set explicitly wherever
+        # an evaluation runs: torch's count is per thread, but a thread's first parallel op (and,
+        # measured, some later ones) picks up the count last set by *any* thread, e.g. 1 by an
+        # evaluation beside training.
+        self._inline_threads = torch.get_num_threads()
 
     def global_model(self) -> torch.nn.Module:
         """The current global model as a module (what the server evaluates)."""
@@ -423,22 +428,21 @@ class ScenarioStrategy(Strategy):
         if overlap and (not last or self.defer_last_round):
             # beside the next round: one thread by default (the client actors have the cores);
             # the last round's, deferred past the engine's shutdown: as many as in line
-            threads = ev.threads or (None if last else 1)
+            threads = ev.threads or (self._inline_threads if last else 1)
             self._closing = Background(self._close_round_in_background, (threads, *close))
             return None
         threads = torch.get_num_threads()
-        torch.set_num_threads(ev.threads or threads)
+        torch.set_num_threads(ev.threads or self._inline_threads)
         try:
             return self._close_round(*close)
         finally:
             torch.set_num_threads(threads)
 
-    def _close_round_in_background(self, threads: int | None, *close) -> MetricRecord:
+    def _close_round_in_background(self, threads: int, *close) -> MetricRecord:
         # A multi-threaded evaluation beside the client actors only oversubscribes the cores they
         # already fill (measured in docs/performance.md). torch's thread count is per OS thread
         # here: the server thread keeps its own.
-        if threads:
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
         return self._close_round(*close)
 
     def wait_for_lines(self) -> None:

@@ -172,22 +172,36 @@ def test_deferred_last_evaluation_completes_after_return(tmp_path, monkeypatch):
     writes it and the summary, the same as `run_server`'s. Without the overlap nothing is deferred."""
     from fedsim.server_app import drive_server
 
+    import torch
+
     slow = CentralEvaluator.__call__
+    threads = []
 
     def slow_evaluation(self, model):
         time.sleep(0.4)
+        threads.append(torch.get_num_threads())
         return slow(self, model)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", slow_evaluation)
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
     run_dir = new_run_dir(scenario, tmp_path / "deferred")
-    complete = drive_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir, defer_last_evaluation=True)
-    assert [r["round"] for r in read_rounds(run_dir)] == [1, 2, 3]
-    assert not (run_dir / "summary.json").exists()
-    summary = complete()
+    # the process's count when the run starts: 3, a count nothing else in the run sets (the
+    # in-process grid's clients train in the server thread on one thread, evaluations beside
+    # training run on one)
+    server_threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        complete = drive_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir, defer_last_evaluation=True)
+        assert [r["round"] for r in read_rounds(run_dir)] == [1, 2, 3]
+        assert not (run_dir / "summary.json").exists()
+        summary = complete()
+    finally:
+        torch.set_num_threads(server_threads)
     assert [r["round"] for r in read_rounds(run_dir)] == [1, 2, 3, 4] and (run_dir / "summary.json").exists()
+    assert threads == [1, 1, 1, 3]  # beside training: one; the deferred last one: as many as in line
     reference, summary_in_line, _ = run(tmp_path / "in_line")
     assert metrics(read_rounds(run_dir)) == metrics(reference)
+
     def same(d):
         return {k: v for k, v in d.items() if k not in ("run_dir", "wall_seconds")}
 
