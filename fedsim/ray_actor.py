@@ -4,15 +4,13 @@ Every client actor imports the module of its actor class and of the ClientApp it
 before it trains anyone. Flower's actor class lives in `flwr.simulation.ray_transport.ray_actor`,
 and importing it runs `flwr/simulation/__init__.py`, which pulls in the whole link state (SQLAlchemy,
 alembic, FastAPI): 1.1-1.5 s of CPU per actor, measured, on the critical path of start-up. This
-module needs only Ray and `flwr.clientapp`; torch and fedsim's client code are imported in a
-background thread as soon as the actor exists, while Ray is still delivering its first message.
+module needs only Ray and `flwr.clientapp`; fedsim's own client code is imported on the first
+message, as before.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-import threading
 
 import ray
 from flwr.clientapp.client_app import ClientApp, ClientAppException, LoadClientAppError
@@ -26,14 +24,8 @@ class ClientAppRunner:
     def __init__(self, on_actor_init_fn=None) -> None:
         if on_actor_init_fn:
             on_actor_init_fn()
-        # torch and fedsim's client code (1.5-2 s of imports) load in the background while Ray
-        # finishes creating this actor and sends it the first message; `run` waits for them, so
-        # no two threads ever import at once.
-        self._warm_up = threading.Thread(target=_import_client_code, name="fedsim-warm-up", daemon=True)
-        self._warm_up.start()
 
     def run(self, client_app_fn, message, cid: str, context):
-        self._warm_up.join()
         try:
             app = client_app_fn()
             out_message = app(message=message, context=context)
@@ -45,14 +37,6 @@ class ClientAppRunner:
 
     def terminate(self) -> None:
         ray.actor.exit_actor()
-
-
-def _import_client_code() -> None:
-    for module in ("torch", "fedsim.client_app"):
-        try:
-            importlib.import_module(module)
-        except Exception:  # noqa: BLE001 - the first message imports it again and reports the error
-            return
 
 
 ClientActor = ray.remote(ClientAppRunner)  # what the engine creates in each worker
