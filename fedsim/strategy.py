@@ -440,8 +440,7 @@ class ScenarioStrategy(Strategy):
 
     def _close_round_in_background(self, threads: int, *close) -> MetricRecord:
         # A multi-threaded evaluation beside the client actors only oversubscribes the cores they
-        # already fill (measured in docs/performance.md). torch's thread count is per OS thread
-        # here: the server thread keeps its own.
+        # already fill (measured in docs/performance.md); set here, in this thread (see _inline_threads).
         torch.set_num_threads(threads)
         return self._close_round(*close)
 
