@@ -119,11 +119,3 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 2
     pred, logits = predict(model, x, batch_size)
     loss = nn.functional.cross_entropy(logits, torch.from_numpy(y)).item()
     return {"accuracy": float((pred == y).mean()), "loss": float(loss)}
-
-
-def target_rate(model: nn.Module, x: np.ndarray, targets: np.ndarray, batch_size: int = 256) -> float:
-    """Share of inputs classified as the attacker's label: the backdoor success rate on an edge/trigger set."""
-    if len(x) == 0:
-        return float("nan")
-    pred, _ = predict(model, x, batch_size)
-    return float((pred == targets).mean())
