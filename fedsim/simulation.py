@@ -15,7 +15,10 @@ wrapped or replaced, and restored afterwards:
   to exit through a task, which the restart policy below would otherwise report as a failed task
   to retry;
 * the actor class: fedsim's `ClientActor` (fedsim/ray_actor.py), Flower's `ClientAppActor` defined
-  in a module that is cheap to import in every actor.
+  in a module that is cheap to import in every actor;
+* the engine's two queues: its worker threads wait on them up to 1 s before they look at the stop
+  event, so the engine stopped (and Ray's shutdown began) up to a second after the ServerApp had
+  finished; the queues used during `simulate` cap that wait at `QUEUE_WAIT_SECONDS`.
 
 If the installed Flower lacks what these rely on, `simulate` leaves the engine alone (it stays
 correct, only slower at scale).
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 import warnings
@@ -57,6 +61,7 @@ OBJECT_STORE_BYTES = 256 * 1024**2
 FAST_MESSAGE_DELIVERY = True  # switch for benchmarks/overhead.py --disable; on in normal use
 DELIVERY_SWEEP_SECONDS = 0.02  # Flower's loop sweeps every 0.1 s; one sweep here scans only the messages in flight
 LIGHT_ACTOR = True  # the same: fedsim's ClientActor instead of Flower's ClientAppActor
+QUEUE_WAIT_SECONDS = 0.05  # the engine's workers wait up to 1 s on an empty queue before checking the stop event
 
 log = logging.getLogger("fedsim")
 
@@ -124,6 +129,17 @@ def registered_partitions(grid, timeout: float) -> dict[int, int] | None:
 _ACTIVE = 0  # simulate() calls in progress in this process
 
 
+class PromptStopQueue(queue.Queue):
+    """The engine's message queues, with a blocking `get` that waits at most `QUEUE_WAIT_SECONDS`:
+    its threads poll `get(timeout=1.0)` and then check the stop event, so that is how long they
+    kept the engine (and Ray) running after the last round."""
+
+    def get(self, block=True, timeout=None):
+        if block and timeout is not None:
+            timeout = min(timeout, QUEUE_WAIT_SECONDS)
+        return super().get(block, timeout)
+
+
 def _deliver_messages(state, queue, nodes_mapping, f_stop) -> None:
     """What vce_api.add_messages_to_queue does (move undelivered instructions for registered nodes
     to the workers' queue, marking them delivered, dropping expired ones), with one scan of the
@@ -163,7 +179,7 @@ def _engine_supports_adjustments() -> bool:
 
     return (
         hasattr(raybackend, "ClientAppActor")
-        and all(hasattr(vce_api, n) for n in ("_register_nodes", "add_messages_to_queue"))
+        and all(hasattr(vce_api, n) for n in ("_register_nodes", "add_messages_to_queue", "Queue"))
         and all(hasattr(InMemoryLinkState, n) for n in ("_check_stored_messages", "get_message_ins"))
         and hasattr(BasicActorPool, "terminate_all_actors")
     )
@@ -183,6 +199,7 @@ def engine_adjustments():
 
     original_register, original_deliver = vce_api._register_nodes, vce_api.add_messages_to_queue
     original_terminate, original_actor = BasicActorPool.terminate_all_actors, raybackend.ClientAppActor
+    original_queue = vce_api.Queue
 
     def register_nodes(num_nodes, state_factory):
         mapping = original_register(num_nodes=num_nodes, state_factory=state_factory)
@@ -205,6 +222,7 @@ def engine_adjustments():
         _ACTIVE += 1
     vce_api._register_nodes, vce_api.add_messages_to_queue = register_nodes, deliver
     BasicActorPool.terminate_all_actors = terminate_all_actors
+    vce_api.Queue = PromptStopQueue
     if LIGHT_ACTOR:
         raybackend.ClientAppActor = ClientActor
     try:
@@ -217,6 +235,7 @@ def engine_adjustments():
                 vce_api._register_nodes, vce_api.add_messages_to_queue = original_register, original_deliver
                 BasicActorPool.terminate_all_actors = original_terminate
                 raybackend.ClientAppActor = original_actor
+                vce_api.Queue = original_queue
 
 
 def single_threaded_openblas():

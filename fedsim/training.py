@@ -92,7 +92,7 @@ def train(
 
 
 @torch.no_grad()
-def predict(model: nn.Module, x: np.ndarray, batch_size: int = 256, channels_last: bool = False) -> tuple[np.ndarray, torch.Tensor]:
+def predict(model: nn.Module, x: np.ndarray, batch_size: int = 64, channels_last: bool = False) -> tuple[np.ndarray, torch.Tensor]:
     """Predicted classes and logits, in eval mode, batch by batch.
 
     `channels_last` runs image batches ([N, C, H, W]) in NHWC layout; the model must already be in
@@ -112,7 +112,7 @@ def predict(model: nn.Module, x: np.ndarray, batch_size: int = 256, channels_las
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 256) -> dict:
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 64) -> dict:
     """Top-1 accuracy and mean cross-entropy of `model` on (x, y)."""
     if len(x) == 0:
         return {"accuracy": float("nan"), "loss": float("nan")}

@@ -208,3 +208,22 @@ def test_simulate_swaps_the_actor_class_and_restores_it():
     with engine_adjustments():
         assert raybackend.ClientAppActor is ClientActor
     assert raybackend.ClientAppActor is original
+
+
+def test_simulate_swaps_the_engine_queue_and_restores_it():
+    """The engine's threads poll their queues with a 1 s timeout before checking the stop event;
+    during `simulate` the wait is capped so the engine stops as soon as the ServerApp is done."""
+    from fedsim.simulation import QUEUE_WAIT_SECONDS, PromptStopQueue, engine_adjustments
+
+    original = vce_api.Queue
+    with engine_adjustments():
+        assert vce_api.Queue is PromptStopQueue
+    assert vce_api.Queue is original
+
+    q = PromptStopQueue()
+    start = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=30.0)
+    assert time.monotonic() - start < 10 * QUEUE_WAIT_SECONDS + 1.0  # far below the 30 s asked for
+    q.put("message")
+    assert q.get(timeout=1.0) == "message" and q.empty()
