@@ -295,8 +295,15 @@ LEVERS = {
     "fast-delivery": ("one scan of stored messages per delivery sweep", "fedsim.simulation", "FAST_MESSAGE_DELIVERY"),
     "light-actor": ("fedsim's client actor class, cheap to import (not Flower's)", "fedsim.simulation", "LIGHT_ACTOR"),
     "largest-first": ("the round's messages go out largest client first", "fedsim.strategy", "ScenarioStrategy.largest_first"),
+    "prestarted-workers": ("a local Ray started without a job runtime environment, so actors take Ray's prestarted workers",
+                           "fedsim.simulation", "PRESTARTED_WORKERS"),
+    "prompt-stop": ("the engine's threads wait at most 0.05 s on their queues (Flower: 1 s) before seeing the stop",
+                    "fedsim.simulation", "QUEUE_WAIT_SECONDS"),
     **{k: (what, None, None) for k, (what, _) in SCENARIO_LEVERS.items()},
 }
+
+
+PROMPT_STOP_WAIT = fedsim.simulation.QUEUE_WAIT_SECONDS
 
 
 def with_overrides(scenario, overrides: dict):
@@ -320,6 +327,9 @@ def set_lever(name: str, on: bool) -> None:
     *path, last = attr.split(".")
     for part in path:
         obj = getattr(obj, part)
+    if name == "prompt-stop":  # a wait in seconds, not a switch: off is Flower's 1 s
+        setattr(obj, last, PROMPT_STOP_WAIT if on else 1.0)
+        return
     if name == "overlap":  # on: the scenario decides (evaluation.overlap, on by default); off: forced off
         setattr(obj, last, None if on else False)
         return

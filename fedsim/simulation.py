@@ -16,6 +16,11 @@ wrapped or replaced, and restored afterwards:
   to retry;
 * the actor class: fedsim's `ClientActor` (fedsim/ray_actor.py), Flower's `ClientAppActor` defined
   in a module that is cheap to import in every actor;
+* Ray's start (a local one): Flower starts Ray with a job runtime environment (only PYTHONPATH,
+  which a local Ray's workers inherit anyway), and Ray cannot hand the workers it prestarts at
+  start-up to a job with a runtime environment: it starts new ones when the actors are created
+  (~0.8 s later to the first client, measured). `start_local_ray` starts it without one;
+  attaching to an existing cluster still goes through Flower's start, runtime environment and all;
 * the engine's two queues: its worker threads wait on them up to 1 s before they look at the stop
   event, so the engine stopped (and Ray's shutdown began) up to a second after the ServerApp had
   finished; the queues used during `simulate` cap that wait at `QUEUE_WAIT_SECONDS`.
@@ -37,6 +42,7 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -61,6 +67,7 @@ OBJECT_STORE_BYTES = 256 * 1024**2
 FAST_MESSAGE_DELIVERY = True  # switch for benchmarks/overhead.py --disable; on in normal use
 DELIVERY_SWEEP_SECONDS = 0.02  # Flower's loop sweeps every 0.1 s; one sweep here scans only the messages in flight
 LIGHT_ACTOR = True  # the same: fedsim's ClientActor instead of Flower's ClientAppActor
+PRESTARTED_WORKERS = True  # the same: a local Ray started without a job runtime environment (start_local_ray)
 QUEUE_WAIT_SECONDS = 0.05  # the engine's workers wait up to 1 s on an empty queue before checking the stop event
 
 log = logging.getLogger("fedsim")
@@ -167,6 +174,29 @@ def _deliver_messages(state, queue, nodes_mapping, f_stop) -> None:
         f_stop.wait(DELIVERY_SWEEP_SECONDS)
 
 
+def start_local_ray(original_init_ray):
+    """`RayBackend.init_ray` for a Ray started here: what Flower's does (PYTHONPATH for the workers'
+    imports, no dashboard), with PYTHONPATH passed through the environment the raylet and its
+    workers inherit rather than a job runtime environment, so the actors take the worker processes
+    Ray prestarts. An address (an existing cluster, whose workers inherit nothing from this process)
+    goes to Flower's `original_init_ray`."""
+
+    def init_ray(backend, backend_config) -> None:
+        import ray
+
+        init_args = dict(backend_config.get("init_args") or {})
+        if ray.is_initialized() or init_args.get("address"):
+            return original_init_ray(backend, backend_config)
+        init_args.setdefault("include_dashboard", False)
+        pythonpath = os.pathsep.join(sys.path)
+        if os.environ.get("PYTHONPATH"):
+            pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+        os.environ["PYTHONPATH"] = pythonpath  # as Flower's init_ray sets it
+        ray.init(**init_args)
+
+    return init_ray
+
+
 def _engine_supports_adjustments() -> bool:
     try:
         from flwr.server.superlink.fleet.vce import vce_api
@@ -178,7 +208,7 @@ def _engine_supports_adjustments() -> bool:
     from flwr.simulation.ray_transport.ray_actor import BasicActorPool
 
     return (
-        hasattr(raybackend, "ClientAppActor")
+        hasattr(raybackend, "ClientAppActor") and hasattr(raybackend.RayBackend, "init_ray")
         and all(hasattr(vce_api, n) for n in ("_register_nodes", "add_messages_to_queue", "Queue"))
         and all(hasattr(InMemoryLinkState, n) for n in ("_check_stored_messages", "get_message_ins"))
         and hasattr(BasicActorPool, "terminate_all_actors")
@@ -199,7 +229,7 @@ def engine_adjustments():
 
     original_register, original_deliver = vce_api._register_nodes, vce_api.add_messages_to_queue
     original_terminate, original_actor = BasicActorPool.terminate_all_actors, raybackend.ClientAppActor
-    original_queue = vce_api.Queue
+    original_queue, original_init_ray = vce_api.Queue, raybackend.RayBackend.init_ray
 
     def register_nodes(num_nodes, state_factory):
         mapping = original_register(num_nodes=num_nodes, state_factory=state_factory)
@@ -223,6 +253,8 @@ def engine_adjustments():
     vce_api._register_nodes, vce_api.add_messages_to_queue = register_nodes, deliver
     BasicActorPool.terminate_all_actors = terminate_all_actors
     vce_api.Queue = PromptStopQueue
+    if PRESTARTED_WORKERS:
+        raybackend.RayBackend.init_ray = start_local_ray(original_init_ray)
     if LIGHT_ACTOR:
         raybackend.ClientAppActor = ClientActor
     try:
@@ -236,6 +268,7 @@ def engine_adjustments():
                 BasicActorPool.terminate_all_actors = original_terminate
                 raybackend.ClientAppActor = original_actor
                 vce_api.Queue = original_queue
+                raybackend.RayBackend.init_ray = original_init_ray
 
 
 def single_threaded_openblas():

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import subprocess
@@ -227,3 +228,38 @@ def test_simulate_swaps_the_engine_queue_and_restores_it():
     assert time.monotonic() - start < 10 * QUEUE_WAIT_SECONDS + 1.0  # far below the 30 s asked for
     q.put("message")
     assert q.get(timeout=1.0) == "message" and q.empty()
+
+
+def test_local_ray_starts_without_a_job_runtime_env(monkeypatch):
+    """A job runtime environment stops Ray from handing its prestarted workers to the actors; a
+    local Ray gets PYTHONPATH through the environment its workers inherit instead. An existing
+    cluster (an address) still goes through Flower's start."""
+    import ray
+
+    from fedsim.simulation import start_local_ray
+
+    calls, flower = [], []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    init_ray = start_local_ray(lambda backend, config: flower.append(config))
+
+    init_ray(None, {"init_args": {"num_cpus": 2, "logging_level": "ERROR"}})
+    assert calls == [{"num_cpus": 2, "logging_level": "ERROR", "include_dashboard": False}] and not flower
+    paths = os.environ["PYTHONPATH"].split(os.pathsep)
+    assert paths[-1] == "/elsewhere" and all(p in paths for p in sys.path)
+
+    cluster = {"init_args": {"address": "127.0.0.1:6379"}}
+    init_ray(None, cluster)
+    assert flower == [cluster] and len(calls) == 1
+
+
+def test_simulate_swaps_ray_start_and_restores_it():
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    from fedsim.simulation import engine_adjustments
+
+    original = raybackend.RayBackend.init_ray
+    with engine_adjustments():
+        assert raybackend.RayBackend.init_ray is not original
+    assert raybackend.RayBackend.init_ray is original
