@@ -1,8 +1,15 @@
-"""fedsim against a plain PyTorch loop doing the same federated work, side by side in one process.
+"""fedsim against a plain PyTorch loop doing the same federated work, side by side in one benchmark run.
 
 Run: `flock /tmp/fedsim-bench.lock .venv/bin/python benchmarks/overhead.py [--rounds 10] [--only mnist|digits]
 [--repeat 3]`. The machine's speed drifts (here by 10-40% within minutes on a shared host): `--repeat`
 interleaves the two sides and reports the median pair.
+
+Each side of each pair runs in a fresh Python process started by this script (as a user's script
+or `fedsim run` would): fedsim sets glibc malloc thresholds in its own process
+(fedsim/allocator.py), which a plain loop run later in the same process would inherit, and a
+process that has already run a loop is warmer than a new one (a plain loop's first run here was
+5-10 s slower than its second in the same process). `--plain-allocator fedsim` gives the plain
+loop fedsim's malloc settings too.
 
 Two scenarios, each run first as a plain single-process loop written here and then through fedsim
 (Flower's Ray simulation engine):
@@ -297,6 +304,8 @@ LEVERS = {
     "largest-first": ("the round's messages go out largest client first", "fedsim.strategy", "ScenarioStrategy.largest_first"),
     "prestarted-workers": ("a local Ray started without a job runtime environment, so actors take Ray's prestarted workers",
                            "fedsim.simulation", "PRESTARTED_WORKERS"),
+    "malloc": ("glibc malloc thresholds raised in this process and the Ray workers (fedsim/allocator.py)",
+               "fedsim.simulation", "MALLOC_SETTINGS"),
     "prompt-stop": ("the engine's threads wait at most 0.05 s on their queues (Flower: 1 s) before seeing the stop",
                     "fedsim.simulation", "QUEUE_WAIT_SECONDS"),
     **{k: (what, None, None) for k, (what, _) in SCENARIO_LEVERS.items()},
@@ -441,6 +450,26 @@ def report(name: str, plain: dict, fed: dict) -> None:
           f"{fed['client_calls']} client trainings, {fed['queries']} other client messages")
 
 
+def run_side(side: str, name: str, args, disabled: tuple[str, ...] = ()) -> dict:
+    """One side of a pair (`plain` or `fedsim`) in a fresh Python process, so that neither side
+    inherits the other's process state: fedsim sets malloc thresholds in its process
+    (fedsim/allocator.py), and a process that has already run a loop is warmer than a new one."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="fedsim-overhead-side-") as tmp:
+        out = Path(tmp) / "side.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--only", name, "--side-out", str(out),
+               "--rounds", str(args.rounds)]
+        if args.digits_rounds:
+            cmd += ["--digits-rounds", str(args.digits_rounds)]
+        if args.plain_allocator:
+            cmd += ["--plain-allocator", args.plain_allocator]
+        for lever in disabled:
+            cmd += ["--disable", lever]
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10, help="rounds of the MNIST scenario (default 10)")
@@ -457,19 +486,35 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true",
                         help="also run fedsim once per lever with that lever off (to see what each buys)")
     parser.add_argument("--levers", default=",".join(LEVERS), help="with --compare: which levers, comma-separated")
+    parser.add_argument("--plain-allocator", choices=["default", "fedsim"], default=None,
+                        help="fedsim: the plain loop runs with fedsim's malloc settings too (default: glibc's)")
+    parser.add_argument("--side", choices=["plain", "fedsim"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--side-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     scenarios = {"mnist": lambda: mnist_scenario(args.rounds), "digits": lambda: digits_scenario(args.digits_rounds)}
+    if args.side:  # a child process: one side of one pair
+        scenario = scenarios[args.only]()
+        if args.side == "plain":
+            if args.plain_allocator == "fedsim":
+                from fedsim.allocator import apply_to_this_process
+
+                apply_to_this_process()
+            result = plain_loop(scenario)
+        else:
+            result = run_fedsim(scenario, tuple(args.disable))
+        args.side_out.write_text(json.dumps(result))
+        return
     out = {}
-    for name, make in scenarios.items():
+    for name in scenarios:
         if args.only and name != args.only:
             continue
-        scenario = make()
+        scenario = scenarios[name]()
         if args.wait_quiet:
             print(f"background load before {name}: {wait_for_quiet(args.wait_quiet):.2f} cores", flush=True)
         pairs = []
         for _ in range(args.repeat):  # interleaved, so that a drift in the machine's speed hits both sides
-            plain = plain_loop(scenario)
-            pairs.append((plain, run_fedsim(scenario, tuple(args.disable))))
+            plain = run_side("plain", name, args)
+            pairs.append((plain, run_side("fedsim", name, args, tuple(args.disable))))
         ratios = [f["wall"] / p["wall"] for p, f in pairs]
         plain, fed = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]  # the median pair
         off = f", levers off: {', '.join(args.disable)}" if args.disable else ""
@@ -482,14 +527,14 @@ def main() -> None:
         out[name] = {"plain": plain, "fedsim": fed, "ratio": fed["wall"] / plain["wall"], "ratios": ratios,
                      "pairs": [{"plain": p["wall"], "fedsim": f["wall"]} for p, f in pairs]}
         if args.compare:
-            print(f"\n### {name}: each lever off in turn (same process; plain loop {plain['wall']:.1f} s)\n")
+            print(f"\n### {name}: each lever off in turn (a fresh process each; plain loop {plain['wall']:.1f} s)\n")
             print("| lever off | what it does | fedsim wall (s) | ratio | start-up (s) |")
             print("|---|---|---:|---:|---:|")
             print(f"| (none) | | {fed['wall']:.1f} | {fed['wall'] / plain['wall']:.2f}x | {fed['start_up']:.1f} |")
             for lever, (what, _, _) in LEVERS.items():
                 if lever not in args.levers.split(","):
                     continue
-                res = run_fedsim(scenario, (lever,))
+                res = run_side("fedsim", name, args, (lever,))
                 out[name][f"without {lever}"] = res
                 print(f"| {lever} | {what} | {res['wall']:.1f} | {res['wall'] / plain['wall']:.2f}x | {res['start_up']:.1f} |",
                       flush=True)

@@ -58,6 +58,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # see single_threaded_openblas() for why, and the client actors are single-threaded anyway.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from fedsim.allocator import apply_to_this_process, merged_tunables  # noqa: E402
 from fedsim.ray_actor import ClientActor, CompactClientApp  # noqa: E402
 from fedsim.results import new_run_dir  # noqa: E402
 from fedsim.scenario import dump_scenario  # noqa: E402
@@ -68,6 +69,7 @@ FAST_MESSAGE_DELIVERY = True  # switch for benchmarks/overhead.py --disable; on 
 DELIVERY_SWEEP_SECONDS = 0.02  # Flower's loop sweeps every 0.1 s; one sweep here scans only the messages in flight
 LIGHT_ACTOR = True  # the same: fedsim's ClientActor instead of Flower's ClientAppActor
 PRESTARTED_WORKERS = True  # the same: a local Ray started without a job runtime environment (start_local_ray)
+MALLOC_SETTINGS = True  # the same: fedsim/allocator.py's malloc thresholds in this process and the Ray workers
 QUEUE_WAIT_SECONDS = 0.05  # the engine's workers wait up to 1 s on an empty queue before checking the stop event
 
 log = logging.getLogger("fedsim")
@@ -174,6 +176,24 @@ def _deliver_messages(state, queue, nodes_mapping, f_stop) -> None:
         f_stop.wait(DELIVERY_SWEEP_SECONDS)
 
 
+@contextlib.contextmanager
+def worker_malloc_settings():
+    """While a local Ray starts: fedsim's malloc settings (fedsim/allocator.py) in the environment
+    its raylet, and so every worker, inherits; a setting the user already gave wins."""
+    previous = os.environ.get("GLIBC_TUNABLES")
+    if not MALLOC_SETTINGS:
+        yield
+        return
+    os.environ["GLIBC_TUNABLES"] = merged_tunables(previous)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = previous
+
+
 def start_local_ray(original_init_ray):
     """`RayBackend.init_ray` for a Ray started here: what Flower's does (PYTHONPATH for the workers'
     imports, no dashboard), with PYTHONPATH passed through the environment the raylet and its
@@ -192,7 +212,8 @@ def start_local_ray(original_init_ray):
         if os.environ.get("PYTHONPATH"):
             pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
         os.environ["PYTHONPATH"] = pythonpath  # as Flower's init_ray sets it
-        ray.init(**init_args)
+        with worker_malloc_settings():
+            ray.init(**init_args)
 
     return init_ray
 
@@ -296,6 +317,8 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     from flwr.simulation import run_simulation
 
     quiet_logs(verbose)
+    if MALLOC_SETTINGS:
+        apply_to_this_process()
     if run_dir is None:
         run_dir = new_run_dir(scenario)
     elif not (run_dir / "scenario.yaml").exists():
