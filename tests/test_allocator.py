@@ -27,21 +27,21 @@ def test_user_settings_win_and_others_are_kept():
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
-def test_mallopt_stops_repeated_page_faults():
-    """The property the settings exist for: a loop that allocates four 4 MiB blocks (a layer's
-    activations and gradients) and frees them keeps faulting pages in with glibc's defaults (the
-    freed top of the heap goes back to the system), and far less once the memory is kept for reuse.
-    Each variant runs in its own process (mallopt is process-wide)."""
+def test_freed_blocks_are_reused_not_faulted_in_again():
+    """The property the settings exist for: a 16 MiB block (a layer's activations) allocated, freed
+    and allocated again faults its pages in a second time with glibc's defaults (served by mmap,
+    unmapped when freed), and not with fedsim's (kept in the heap for reuse). Each variant runs in a
+    fresh process: mallopt is process-wide."""
     code = (
-        "import resource, sys, torch\n"
+        "import resource, sys, numpy as np\n"
         "if sys.argv[1] == 'fedsim':\n"
         "    from fedsim.allocator import apply_to_this_process; assert apply_to_this_process()\n"
-        "def step(): return [torch.ones(1024 * 1024) for _ in range(4)]\n"
-        "for _ in range(3): step()\n"
+        "np.ones(4 * 1024 * 1024, dtype=np.float32)\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "for _ in range(100): step()\n"
+        "np.ones(4 * 1024 * 1024, dtype=np.float32)\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
     )
     faults = {v: int(subprocess.run([sys.executable, "-c", code, v], capture_output=True, text=True,
                                      check=True).stdout.split()[-1]) for v in ("default", "fedsim")}
-    assert faults["fedsim"] * 3 < faults["default"], faults
+    assert faults["default"] > 100, faults  # 16 MiB is 4,096 pages (fewer with transparent huge pages)
+    assert faults["fedsim"] * 10 < faults["default"], faults
