@@ -3,9 +3,9 @@
 By default glibc serves a block above 128 KiB (a conv layer's activations, a received model's
 arrays: a few MB each) with a fresh mmap, and gives memory freed at the top of a heap back to the
 system past a threshold. A training or evaluation loop then faults its buffers in again, page by
-page, at every step; on a virtual machine each fault is expensive. Measured here (benchmarks/
-overhead.py, MNIST scenario, fedsim alone, interleaved): 69-71 s with these settings in every
-process against 78-81 s without; in the Ray workers only, 76 s. With the settings below, blocks up
+page, at every step; on a virtual machine each fault is expensive. Measured here (the MNIST
+scenario of benchmarks/overhead.py, fedsim alone, interleaved): 62.8-66.9 s with these settings
+against 73.7-78.4 s without (docs/performance.md). With the settings below, blocks up
 to 32 MiB come from the heap and up to 256 MiB of freed memory stays with the process for reuse,
 so a process keeps its peak footprint (the Ray workers are fedsim's own; `simulate` also sets them
 in the calling process, for the rest of its life).

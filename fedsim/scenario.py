@@ -108,8 +108,8 @@ class EvaluationSection(Section):
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
     batch_size: int = Field(
         64, ge=1,
-        description="images per forward pass; 64 keeps a conv net's activations in cache (LeNet on MNIST: ~1.8x "
-        "faster than 256 on CPU; see docs/performance.md)",
+        description="images per forward pass; 64 keeps a conv net's activations in cache (LeNet on MNIST, one thread: "
+        "~1.4x faster than 256 on CPU; see docs/performance.md)",
     )
     overlap: bool = Field(
         True,
