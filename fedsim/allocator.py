@@ -13,6 +13,7 @@ in the calling process, for the rest of its life).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -32,6 +33,21 @@ def merged_tunables(existing: str | None) -> str:
     given = {item.split("=", 1)[0] for item in (existing or "").split(":") if item}
     ours = [item for item in tunables().split(":") if item.split("=", 1)[0] not in given]
     return ":".join(([existing] if existing else []) + ours)
+
+
+@contextlib.contextmanager
+def in_child_environment():
+    """While inside: GLIBC_TUNABLES carries the settings (merged_tunables), so processes started
+    meanwhile (a local Ray's raylet, and through it every worker) inherit them; restored after."""
+    previous = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"] = merged_tunables(previous)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = previous
 
 
 _applied = False

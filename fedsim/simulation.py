@@ -58,7 +58,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # see single_threaded_openblas() for why, and the client actors are single-threaded anyway.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from fedsim.allocator import apply_to_this_process, merged_tunables  # noqa: E402
+from fedsim.allocator import apply_to_this_process, in_child_environment  # noqa: E402
 from fedsim.ray_actor import ClientActor, CompactClientApp  # noqa: E402
 from fedsim.results import new_run_dir  # noqa: E402
 from fedsim.scenario import dump_scenario  # noqa: E402
@@ -176,24 +176,6 @@ def _deliver_messages(state, queue, nodes_mapping, f_stop) -> None:
         f_stop.wait(DELIVERY_SWEEP_SECONDS)
 
 
-@contextlib.contextmanager
-def worker_malloc_settings():
-    """While a local Ray starts: fedsim's malloc settings (fedsim/allocator.py) in the environment
-    its raylet, and so every worker, inherits; a setting the user already gave wins."""
-    previous = os.environ.get("GLIBC_TUNABLES")
-    if not MALLOC_SETTINGS:
-        yield
-        return
-    os.environ["GLIBC_TUNABLES"] = merged_tunables(previous)
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["GLIBC_TUNABLES"]
-        else:
-            os.environ["GLIBC_TUNABLES"] = previous
-
-
 def start_local_ray(original_init_ray):
     """`RayBackend.init_ray` for a Ray started here: what Flower's does (PYTHONPATH for the workers'
     imports, no dashboard), with PYTHONPATH passed through the environment the raylet and its
@@ -212,7 +194,7 @@ def start_local_ray(original_init_ray):
         if os.environ.get("PYTHONPATH"):
             pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
         os.environ["PYTHONPATH"] = pythonpath  # as Flower's init_ray sets it
-        with worker_malloc_settings():
+        with in_child_environment() if MALLOC_SETTINGS else contextlib.nullcontext():  # the workers' malloc
             ray.init(**init_args)
 
     return init_ray

@@ -236,18 +236,28 @@ def test_local_ray_starts_without_a_job_runtime_env(monkeypatch):
     cluster (an address) still goes through Flower's start."""
     import ray
 
+    from fedsim.allocator import tunables
     from fedsim.simulation import start_local_ray
 
     calls, flower = [], []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    tunables_at_start = []
+
+    def fake_init(**kw):
+        calls.append(kw)
+        tunables_at_start.append(os.environ.get("GLIBC_TUNABLES"))
+
+    monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     init_ray = start_local_ray(lambda backend, config: flower.append(config))
 
     init_ray(None, {"init_args": {"num_cpus": 2, "logging_level": "ERROR"}})
     assert calls == [{"num_cpus": 2, "logging_level": "ERROR", "include_dashboard": False}] and not flower
     paths = os.environ["PYTHONPATH"].split(os.pathsep)
     assert paths[-1] == "/elsewhere" and all(p in paths for p in sys.path)
+    # the raylet, and through it every worker, inherits fedsim's malloc settings; this process's env is restored
+    assert tunables_at_start == [tunables()] and "GLIBC_TUNABLES" not in os.environ
 
     cluster = {"init_args": {"address": "127.0.0.1:6379"}}
     init_ray(None, cluster)
