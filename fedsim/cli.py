@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import threading
 from pathlib import Path
 
 from rich.console import Console
@@ -114,6 +116,8 @@ def cmd_list(args) -> int:
 def cmd_run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from fedsim.interrupt import RunInterrupted, RunStopped, on_signals
+
     from fedsim.results import new_run_dir, read_rounds
     from fedsim.scenario import ScenarioError, load_scenario
 
@@ -126,20 +130,28 @@ def cmd_run(args) -> int:
         if args.file is None:
             raise ScenarioError("fedsim run", [("FILE", "a scenario file is required (or --resume DIR)", None)])
         scenario = load_scenario(args.file, args.set)
-        run_dir = new_run_dir(scenario, args.output)
-    from fedsim.simulation import simulate  # imports flwr/ray: after the scenario is known to be valid
+    stop = threading.Event()
+    with on_signals(stop) as signals:
+        try:
+            if args.resume is None:
+                run_dir = new_run_dir(scenario, args.output)
+            from fedsim.simulation import simulate  # imports flwr/ray: after the scenario is known to be valid
 
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(scenario.name, total=scenario.federation.rounds, status="starting Ray...")
+            columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+            with Progress(*columns, console=console, transient=False) as progress:
+                task = progress.add_task(scenario.name, total=scenario.federation.rounds, status="starting Ray...")
 
-        def on_round(record: dict) -> None:
-            status = f"acc {_fmt(record.get('main_accuracy'), True)}"
-            if record.get("backdoor_success") is not None:
-                status += f"  backdoor {_fmt(record['backdoor_success'], True)}"
-            progress.update(task, completed=record["round"], status=status)
+                def on_round(record: dict) -> None:
+                    status = f"acc {_fmt(record.get('main_accuracy'), True)}"
+                    if record.get("backdoor_success") is not None:
+                        status += f"  backdoor {_fmt(record['backdoor_success'], True)}"
+                    progress.update(task, completed=record["round"], status=status)
 
-        simulate(scenario, run_dir=run_dir, verbose=args.verbose, progress=on_round)
+                simulate(scenario, run_dir=run_dir, verbose=args.verbose, progress=on_round, stop=stop, signals=signals)
+        except (RunInterrupted, RunStopped) as err:
+            code = err.exit_code if isinstance(err, RunInterrupted) else 130
+            return stopped(code, scenario, run_dir if "run_dir" in locals() else None, fresh=args.resume is None)
     console.print(round_table(read_rounds(run_dir), f"{scenario.name} (seed {scenario.seed})"))
     summary = json.loads((run_dir / "summary.json").read_text())
     console.print(
@@ -149,13 +161,54 @@ def cmd_run(args) -> int:
         f"{summary['total_bytes_up'] / 1e6:.2f} MB up, {summary['wall_seconds']:.1f} s in rounds"
     )
     console.print(f"results: {run_dir}")
+    return skipped_exit_code(read_rounds(run_dir))
+
+
+def skipped_exit_code(rounds: list[dict]) -> int:
+    """1 (with the reasons on stderr) when no round of the run was aggregated, else 0: a run that
+    only skipped rounds measured nothing, and scripts must not take its numbers for results."""
+    trained = [r for r in rounds if r["round"] > 0]
+    skipped = [r for r in trained if r.get("skipped")]
+    if trained and len(skipped) == len(trained):
+        reasons = sorted({r["skipped"] for r in skipped})
+        err_console.print(f"error: every round was skipped ({len(skipped)} of {len(trained)}); "
+                          f"the model was never updated: {'; '.join(reasons[:3])}", markup=False, highlight=False)
+        return 1
+    if skipped:
+        err_console.print(f"warning: rounds {[r['round'] for r in skipped]} were skipped (see 'skipped' in rounds.jsonl)",
+                          markup=False, highlight=False)
     return 0
 
 
+def stopped(code: int, scenario, run_dir: Path | None, fresh: bool) -> int:
+    """Say what an interrupted run kept and how to resume it; wait briefly for the ServerApp's threads."""
+    from fedsim.interrupt import exit_now, wait_for_threads
+    from fedsim.results import read_rounds
+
+    done = max((r["round"] for r in read_rounds(run_dir)), default=0) if run_dir is not None else 0
+    signal_name = {130: "SIGINT", 143: "SIGTERM"}.get(code, f"signal {code - 128}")
+    if run_dir is None or (fresh and done == 0 and not (run_dir / "checkpoint").exists()):
+        if run_dir is not None:  # nothing computed: no run folder is left behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        err_console.print(f"interrupted ({signal_name}) before the first round; nothing was kept", markup=False)
+    elif scenario.output.checkpoints:
+        err_console.print(f"interrupted ({signal_name}) after round {done} of {scenario.federation.rounds}; "
+                          f"continue with: fedsim run --resume {run_dir}", markup=False, highlight=False, soft_wrap=True)
+    else:
+        err_console.print(f"interrupted ({signal_name}) after round {done} of {scenario.federation.rounds}; rounds so far "
+                          f"are in {run_dir} (output.checkpoints is off: it cannot be resumed)",
+                          markup=False, highlight=False, soft_wrap=True)
+    if not wait_for_threads(5.0):
+        exit_now(code)
+    return code
+
+
 def cmd_sweep(args) -> int:
-    import subprocess
+    import shlex
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fedsim.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
 
     from fedsim.report import markdown_table, write_report
     from fedsim.sweep import expand, is_done, prepare, run_sweep, sweep_dir
@@ -165,39 +218,92 @@ def cmd_sweep(args) -> int:
     todo = [r for r in runs if not is_done(folder / r.name)]
     console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}")
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
-    with Progress(*columns, console=console) as progress:
-        overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
-        if args.jobs > 1:  # separate processes, each its own Ray instance
-            pending = list(todo)
-            active: list[tuple[subprocess.Popen, str]] = []
-            while pending or active:
-                while pending and len(active) < args.jobs:
-                    run = pending.pop(0)
-                    cmd = [sys.executable, "-m", "fedsim.cli", "run", "--resume", str(prepare(run, folder))]
-                    active.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), run.name))
-                for proc, rname in list(active):
-                    if proc.poll() is not None:
-                        active.remove((proc, rname))
-                        progress.update(overall, advance=1, status=f"{rname}: {'ok' if proc.returncode == 0 else 'FAILED'}")
-                import time as _time
+    stop = threading.Event()
+    with on_signals(stop) as signals:
+        try:
+            with Progress(*columns, console=console) as progress:
+                overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
+                if args.jobs > 1:
+                    run_in_processes(todo, folder, args.jobs, progress, overall)
+                else:
+                    from fedsim.simulation import simulate
 
-                _time.sleep(0.5)
-        else:
-            from fedsim.simulation import simulate
+                    current = progress.add_task("current", total=1, status="")
 
-            current = progress.add_task("current", total=1, status="")
+                    def runner(scenario, run_dir):
+                        progress.reset(current, total=scenario.federation.rounds, description=scenario.name[:40], status="")
+                        simulate(scenario, run_dir=run_dir, verbose=args.verbose, stop=stop, signals=signals,
+                                 progress=lambda r: progress.update(current, completed=r["round"]))
+                        progress.update(overall, advance=1)
 
-            def runner(scenario, run_dir):
-                progress.reset(current, total=scenario.federation.rounds, description=scenario.name[:40], status="")
-                simulate(scenario, run_dir=run_dir, verbose=args.verbose,
-                         progress=lambda r: progress.update(current, completed=r["round"]))
-                progress.update(overall, advance=1)
-
-            run_sweep(folder, runs, runner)
+                    run_sweep(folder, runs, runner)
+        except (RunInterrupted, RunStopped) as err:
+            code = err.exit_code if isinstance(err, RunInterrupted) else 130
+            done = sum(is_done(folder / r.name) for r in runs)
+            again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
+                     *(["--output", str(args.output)] if args.output is not None else []),
+                     *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])]
+            err_console.print(f"sweep interrupted ({err}): {done} of {len(runs)} runs finished, in {folder}; "
+                              f"continue with: {shlex.join(again)}", markup=False, highlight=False, soft_wrap=True)
+            if not wait_for_threads(5.0):
+                exit_now(code)
+            return code
     path = write_report([folder], folder / "report")
     print(markdown_table([folder / r.name for r in runs if is_done(folder / r.name)]))
     console.print(f"report: {path}")
     return 0 if all(is_done(folder / r.name) for r in runs) else 1
+
+
+def run_in_processes(todo, folder: Path, jobs: int, progress, overall) -> None:
+    """`fedsim sweep --jobs N`: each run in its own `fedsim run --resume` process (and Ray), N at a time.
+
+    Each child gets a session of its own, so a Ctrl-C at the terminal reaches only this process,
+    which passes the signal on once to every child (a second one would make them exit at once) and
+    waits for them to save their rounds. A child's output goes to `fedsim.log` in its run folder;
+    a failed run shows its last lines.
+    """
+    import contextlib
+    import os
+    import subprocess
+    import time
+
+    from fedsim.interrupt import RunInterrupted
+    from fedsim.sweep import prepare
+
+    pending, active = list(todo), []
+    try:
+        while pending or active:
+            while pending and len(active) < jobs:
+                run = pending.pop(0)
+                run_dir = prepare(run, folder)
+                with open(run_dir / "fedsim.log", "ab") as log:
+                    cmd = [sys.executable, "-m", "fedsim.cli", "run", "--resume", str(run_dir)]
+                    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=dict(os.environ, COLUMNS="160"))
+                active.append((proc, run.name, run_dir))
+            for item in list(active):
+                proc, name, run_dir = item
+                if proc.poll() is None:
+                    continue
+                active.remove(item)
+                ok = proc.returncode == 0
+                progress.update(overall, advance=1, status=f"{name}: {'ok' if ok else 'FAILED'}")
+                if not ok:
+                    tail = (run_dir / "fedsim.log").read_text(errors="replace").splitlines()[-15:]
+                    progress.console.print(f"run {name} failed (exit {proc.returncode}); last lines of {run_dir / 'fedsim.log'}:\n"
+                                           + "\n".join(tail), markup=False, highlight=False, soft_wrap=True)
+            time.sleep(0.2)
+    except RunInterrupted as err:
+        for proc, _, _ in active:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(err.signum)
+        deadline = time.monotonic() + 30
+        for proc, _, _ in active:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise
 
 
 def cmd_deploy(args) -> int:
@@ -340,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
         return 2
-    except KeyboardInterrupt:
-        err_console.print("interrupted: rounds completed so far are in the run folder")
+    except KeyboardInterrupt:  # outside a run (fedsim.interrupt handles signals inside one)
+        err_console.print("interrupted")
         return 130
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -9,11 +11,14 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedsim.checkpoint import client_dir, load_server, server_dir
+from fedsim.interrupt import RunStopped, StoppableGrid
 from fedsim.registry import AGGREGATORS
 from fedsim.results import append_round, new_run_dir, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
 from fedsim.strategy import ScenarioStrategy
 from fedsim.wire import pack_model
+
+log = logging.getLogger("fedsim")
 
 
 def strategy_class(scenario) -> type[ScenarioStrategy]:
@@ -56,13 +61,17 @@ def drive_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints
     done = prepare_resume(run_dir, strategy) if checkpoints else 0
     if done < fed.rounds:
         strategy.discover_nodes(grid, timeout=fed.round_timeout)
-        strategy.start(
-            grid=grid,
-            initial_arrays=pack_model(strategy.global_vec, strategy.layout),
-            num_rounds=fed.rounds - done,
-            timeout=fed.round_timeout,
-            evaluate_fn=strategy.end_round,
-        )
+        try:
+            strategy.start(
+                grid=grid,
+                initial_arrays=pack_model(strategy.global_vec, strategy.layout),
+                num_rounds=fed.rounds - done,
+                timeout=fed.round_timeout,
+                evaluate_fn=strategy.end_round,
+            )
+        except RunStopped:
+            strategy.wait_for_lines()  # a completed round's evaluation still running keeps its line
+            raise
 
     def complete() -> dict:
         strategy.wait_for_lines()
@@ -100,12 +109,14 @@ def finish(run_dir: Path, scenario, rt) -> dict:
 
 
 def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, checkpoints: bool = False,
-                    on_rounds_done: Callable[[Callable[[], dict]], None] | None = None) -> ServerApp:
+                    on_rounds_done: Callable[[Callable[[], dict]], None] | None = None,
+                    stop: threading.Event | None = None, finished: threading.Event | None = None) -> ServerApp:
     """A ServerApp for `scenario` (simulation), or reading it from the run config (deployment).
 
     With `on_rounds_done` (fedsim's simulation), the app hands it the call that completes the run
     and returns without waiting for the last round's evaluation (see `drive_server`); the caller
-    must make that call after the engine has stopped.
+    must make that call after the engine has stopped. With `stop`, the app stops waiting for
+    replies once the event is set and returns (fedsim.interrupt); `finished` is set when it returns.
     """
     from fedsim.deploy_config import scenario_from_context
 
@@ -119,10 +130,18 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
             folder = new_run_dir(scen, out)
         else:
             folder = run_dir
-        if on_rounds_done is None:
-            run_server(grid, scen, folder, progress, checkpoints)
-        else:
-            on_rounds_done(drive_server(grid, scen, folder, progress, checkpoints, defer_last_evaluation=True))
+        if stop is not None:
+            grid = StoppableGrid(grid, stop)
+        try:
+            if on_rounds_done is None:
+                run_server(grid, scen, folder, progress, checkpoints)
+            else:
+                on_rounds_done(drive_server(grid, scen, folder, progress, checkpoints, defer_last_evaluation=True))
+        except RunStopped as stopped:
+            log.info("ServerApp stopped: %s", stopped)
+        finally:
+            if finished is not None:
+                finished.set()
 
     return app
 

@@ -47,6 +47,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 # Before flwr/ray are imported: no telemetry, no update check, no Ray accelerator warning, a
 # bounded object store (Ray's default is 30% of RAM in /dev/shm).
@@ -59,6 +60,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from fedsim.allocator import apply_to_this_process, in_child_environment  # noqa: E402
+from fedsim.interrupt import RunStopped  # noqa: E402
 from fedsim.ray_actor import ClientActor, CompactClientApp  # noqa: E402
 from fedsim.results import new_run_dir  # noqa: E402
 from fedsim.scenario import dump_scenario  # noqa: E402
@@ -71,6 +73,7 @@ LIGHT_ACTOR = True  # the same: fedsim's ClientActor instead of Flower's ClientA
 PRESTARTED_WORKERS = True  # the same: a local Ray started without a job runtime environment (start_local_ray)
 MALLOC_SETTINGS = True  # the same: fedsim/allocator.py's malloc thresholds in this process and the Ray workers
 QUEUE_WAIT_SECONDS = 0.05  # the engine's workers wait up to 1 s on an empty queue before checking the stop event
+STOP_GRACE_SECONDS = 20.0  # after an interrupt: how long the ServerApp may take to write its last completed round
 
 log = logging.getLogger("fedsim")
 
@@ -176,14 +179,20 @@ def _deliver_messages(state, queue, nodes_mapping, f_stop) -> None:
         f_stop.wait(DELIVERY_SWEEP_SECONDS)
 
 
-def start_local_ray(original_init_ray):
+def start_local_ray(original_init_ray, after_init: Callable[[], None]):
     """`RayBackend.init_ray` for a Ray started here: what Flower's does (PYTHONPATH for the workers'
     imports, no dashboard), with PYTHONPATH passed through the environment the raylet and its
     workers inherit rather than a job runtime environment, so the actors take the worker processes
     Ray prestarts. An address (an existing cluster, whose workers inherit nothing from this process)
-    goes to Flower's `original_init_ray`."""
+    goes to Flower's `original_init_ray`. `after_init` runs once Ray is up either way."""
 
     def init_ray(backend, backend_config) -> None:
+        try:
+            _init_ray(backend, backend_config)
+        finally:
+            after_init()
+
+    def _init_ray(backend, backend_config) -> None:
         import ray
 
         init_args = dict(backend_config.get("init_args") or {})
@@ -219,8 +228,11 @@ def _engine_supports_adjustments() -> bool:
 
 
 @contextlib.contextmanager
-def engine_adjustments():
-    """Wrap node registration and replace message delivery in Flower's simulation engine, then restore them."""
+def engine_adjustments(after_ray_init: Callable[[], None] = lambda: None):
+    """Wrap node registration and replace message delivery in Flower's simulation engine, then restore them.
+
+    `after_ray_init` runs right after Ray has started (`ray.init` replaces the process's SIGTERM
+    handler; fedsim's run puts its own back there)."""
     global _ACTIVE
     if not _engine_supports_adjustments():
         log.warning("this flwr version lacks what fedsim's simulation adjustments use; running the engine as is")
@@ -257,7 +269,7 @@ def engine_adjustments():
     BasicActorPool.terminate_all_actors = terminate_all_actors
     vce_api.Queue = PromptStopQueue
     if PRESTARTED_WORKERS:
-        raybackend.RayBackend.init_ray = start_local_ray(original_init_ray)
+        raybackend.RayBackend.init_ray = start_local_ray(original_init_ray, after_ray_init)
     if LIGHT_ACTOR:
         raybackend.ClientAppActor = ClientActor
     try:
@@ -290,11 +302,17 @@ def single_threaded_openblas():
     return threadpool_limits(limits={p: 1 for p in prefixes}) if prefixes else contextlib.nullcontext()
 
 
-def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progress=None, client_app=None) -> Path:
+def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progress=None, client_app=None,
+             stop: threading.Event | None = None, signals=None) -> Path:
     """Run `scenario` on Ray-simulated clients; returns the run folder.
 
     A `run_dir` that already holds completed rounds (and checkpoints) is resumed, not restarted.
     `client_app` replaces the scenario's ClientApp (tests inject failing clients this way).
+    `stop` ends the run early when set (fedsim.interrupt: the CLI sets it on Ctrl-C/SIGTERM);
+    `signals`, the CLI's `fedsim.interrupt.on_signals` handle, has its handlers put back after
+    `ray.init` replaced SIGTERM's. Whatever ends the run early (an interrupt, an error), the
+    ServerApp thread is told to stop and given `STOP_GRACE_SECONDS` to finish writing the last
+    completed round before the exception propagates.
     """
     from flwr.simulation import run_simulation
 
@@ -306,19 +324,29 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     elif not (run_dir / "scenario.yaml").exists():
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
+    stop = stop if stop is not None else threading.Event()
+    server_finished = threading.Event()
     completions = []  # the ServerApp hands over the rest of the run: the last evaluation and the summary
-    with engine_adjustments(), single_threaded_openblas():
-        run_simulation(
-            server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints,
-                                       on_rounds_done=completions.append),
-            client_app=client_app if client_app is not None else CompactClientApp.of(scenario),
-            num_supernodes=scenario.federation.num_clients,
-            backend_name="ray",
-            backend_config=backend_config(scenario, verbose),
-            verbose_logging=verbose,
-        )
-        for complete in completions:  # the engine has stopped its actors and Ray meanwhile
-            complete()
+    after_ray_init = signals.reinstall if signals is not None else (lambda: None)
+    try:
+        with engine_adjustments(after_ray_init), single_threaded_openblas():
+            run_simulation(
+                server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints,
+                                           on_rounds_done=completions.append, stop=stop, finished=server_finished),
+                client_app=client_app if client_app is not None else CompactClientApp.of(scenario),
+                num_supernodes=scenario.federation.num_clients,
+                backend_name="ray",
+                backend_config=backend_config(scenario, verbose),
+                verbose_logging=verbose,
+            )
+    except BaseException:
+        stop.set()
+        server_finished.wait(STOP_GRACE_SECONDS)
+        raise
+    if stop.is_set() and not completions:
+        raise RunStopped(f"the run was stopped; completed rounds are in {run_dir}")
+    for complete in completions:  # the engine has stopped its actors and Ray meanwhile
+        complete()
     if not (run_dir / "summary.json").exists():
         raise RuntimeError(f"the simulation ended without finishing the run; partial results are in {run_dir}")
     return run_dir
