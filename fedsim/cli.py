@@ -165,18 +165,16 @@ def cmd_run(args) -> int:
 
 
 def skipped_exit_code(rounds: list[dict]) -> int:
-    """1 (with the reasons on stderr) when no round of the run was aggregated, else 0: a run that
-    only skipped rounds measured nothing, and scripts must not take its numbers for results."""
-    trained = [r for r in rounds if r["round"] > 0]
-    skipped = [r for r in trained if r.get("skipped")]
-    if trained and len(skipped) == len(trained):
-        reasons = sorted({r["skipped"] for r in skipped})
-        err_console.print(f"error: every round was skipped ({len(skipped)} of {len(trained)}); "
-                          f"the model was never updated: {'; '.join(reasons[:3])}", markup=False, highlight=False)
+    """1 (with the reasons on stderr) when no round of the run was aggregated, else 0."""
+    from fedsim.results import every_round_skipped
+
+    reason = every_round_skipped(rounds)
+    if reason is not None:
+        err_console.print(f"error: {reason}", markup=False, highlight=False, soft_wrap=True)
         return 1
+    skipped = [r["round"] for r in rounds if r["round"] > 0 and r.get("skipped")]
     if skipped:
-        err_console.print(f"warning: rounds {[r['round'] for r in skipped]} were skipped (see 'skipped' in rounds.jsonl)",
-                          markup=False, highlight=False)
+        err_console.print(f"warning: rounds {skipped} were skipped (see 'skipped' in rounds.jsonl)", markup=False, highlight=False)
     return 0
 
 
@@ -350,6 +348,8 @@ def cmd_deploy(args) -> int:
         return 0
     if len(cmds) > 1:
         return deploy.supervise(cmds, env)
+    if args.role == "run":
+        return deploy.run_and_check(cmds[0], "fedsim", env)
     return subprocess.call(cmds[0], env=env)
 
 

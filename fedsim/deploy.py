@@ -122,6 +122,36 @@ def run_cmd(connection: str, scenario: Path, overrides: list[str] | None = None,
     return cmd + (["--stream"] if stream else [])
 
 
+def run_and_check(cmd: list[str], connection: str, env: dict[str, str]) -> int:
+    """Run `flwr run ... --stream` (its output passed through), then ask the SuperLink how the run
+    ended: flwr 1.41's `flwr run` exits 0 whatever became of the run, so a ServerApp that failed
+    (e.g. every round skipped) would look like a success. Exit 1 unless the run completed."""
+    import json
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_id = None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        found = re.search(r"started run (\d+)", line)
+        if found and run_id is None:
+            run_id = found.group(1)
+    code = proc.wait()
+    if code != 0 or run_id is None:
+        return code or 1
+    ls = subprocess.run(["flwr", "ls", connection, "--run-id", run_id, "--format", "json"], env=env,
+                        capture_output=True, text=True)
+    try:
+        status = json.loads(ls.stdout)["runs"][0]["status"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        print(f"could not read the status of run {run_id}: {ls.stdout[-500:]}{ls.stderr[-500:]}", file=sys.stderr)
+        return 1
+    if not status.endswith(":completed"):
+        print(f"run {run_id} ended {status}; see the log above or `flwr log {run_id} {connection}`", file=sys.stderr)
+        return 1
+    return 0
+
+
 def deploy_env(flwr_home: Path | None = None) -> dict[str, str]:
     """The environment of every Flower process fedsim starts: quiet, offline, and a 0.2 s task poll.
 

@@ -52,6 +52,16 @@ def read_rounds(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def every_round_skipped(rounds: list[dict]) -> str | None:
+    """Why the run measured nothing, when no training round of it was aggregated (None otherwise):
+    such a run must not end as a success, its numbers are those of the initial model."""
+    trained = [r for r in rounds if r["round"] > 0]
+    if not trained or any(not r.get("skipped") for r in trained):
+        return None
+    reasons = sorted({str(r["skipped"]) for r in trained})
+    return f"every round was skipped ({len(trained)} of {len(trained)}); the model was never updated: " + "; ".join(reasons[:3])
+
+
 def _versions() -> dict:
     import flwr
     import torch

@@ -13,7 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedsim.checkpoint import client_dir, load_server, server_dir
 from fedsim.interrupt import RunStopped, StoppableGrid
 from fedsim.registry import AGGREGATORS
-from fedsim.results import append_round, new_run_dir, read_rounds, summarize, write_summary
+from fedsim.results import append_round, every_round_skipped, new_run_dir, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
 from fedsim.strategy import ScenarioStrategy
 from fedsim.wire import pack_model
@@ -135,6 +135,9 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
         try:
             if on_rounds_done is None:
                 run_server(grid, scen, folder, progress, checkpoints)
+                failed = every_round_skipped(read_rounds(folder))
+                if failed is not None:  # under `flwr run`: the run ends as failed (fedsim's simulation: the CLI's exit code)
+                    raise RuntimeError(f"{failed} (results in {folder})")
             else:
                 on_rounds_done(drive_server(grid, scen, folder, progress, checkpoints, defer_last_evaluation=True))
         except RunStopped as stopped:
