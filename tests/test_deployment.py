@@ -210,3 +210,26 @@ def test_tls_with_supernode_authentication(cluster, tmp_path):
     run = cluster.run(SCENARIO + ["federation.round_timeout=300"], root_cert=tls.ca_cert)
     summary = wait_summary(cluster, 600, run)
     assert summary["rounds_completed"] == 2
+
+
+def test_a_run_whose_every_round_is_skipped_fails_under_flwr_run(cluster, tmp_path, capfd):
+    """Every round skipped (one device lacks its data, and min_replies needs all three): the
+    ServerApp ends the run as failed and `fedsim deploy run` (deploy.run_and_check) exits 1,
+    where `flwr run` alone exits 0 whatever became of the run."""
+    from conftest import data_dir
+
+    if data_dir() is None:
+        pytest.skip("needs MNIST in $FEDSIM_DATA_DIR or ../shared/data")
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    cluster.superlink()
+    for i in range(3):
+        cluster.supernode(i, 3, data_dir=empty if i == 2 else data_dir())
+    overrides = SCENARIO + ["federation.round_timeout=300", "federation.min_replies=3", "data.dataset=mnist",
+                            "attack=null", f"data.dir={data_dir()}", "federation.local_epochs=1", "federation.batch_size=64"]
+    deploy.write_connection(cluster.tmp / "flwr_home", "test", cluster.address)
+    cmd = deploy.run_cmd("test", REPO / "scenarios/quickstart.yaml", overrides, cluster.tmp / "results")
+    assert deploy.run_and_check(cmd, "test", cluster.env) == 1
+    rounds = read_rounds(cluster.run_dir())
+    assert len(rounds) == 2 and all(r["skipped"] and "2" in r["rejected"] for r in rounds)
+    assert "finished:failed" in capfd.readouterr().err
