@@ -27,7 +27,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.app import RecordDict  # noqa: E402
-from flwr.common.serde import recorddict_to_proto  # noqa: E402
+from fedsim.engine.flower_compat import recorddict_size  # noqa: E402
 
 from fedsim.models.layout import ModelLayout  # noqa: E402
 from fedsim.registry import COMPRESSORS, MODELS  # noqa: E402
@@ -77,7 +77,7 @@ def local_epoch(model_name: str, shape: tuple[int, ...]) -> tuple[ModelLayout, t
 
 
 def record_bytes(payload: dict[str, np.ndarray]) -> int:
-    return recorddict_to_proto(RecordDict({"update": pack_payload(payload)})).ByteSize()
+    return recorddict_size(RecordDict({"update": pack_payload(payload)}))
 
 
 def measure(codec, layout: ModelLayout, delta: torch.Tensor, repeats: int) -> dict:

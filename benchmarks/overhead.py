@@ -6,7 +6,7 @@ interleaves the two sides and reports the median pair.
 
 Each side of each pair runs in a fresh Python process started by this script (as a user's script
 or `fedsim run` would): fedsim sets glibc malloc thresholds in its own process
-(fedsim/allocator.py), which a plain loop run later in the same process would inherit, and a
+(fedsim/engine/allocator.py), which a plain loop run later in the same process would inherit, and a
 process that has already run a loop is warmer than a new one (a plain loop's first run here was
 5-10 s slower than its second in the same process). `--plain-allocator fedsim` gives the plain
 loop fedsim's malloc settings too.
@@ -57,7 +57,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import fedsim.simulation  # noqa: E402,F401  (sets Flower/Ray environment defaults before they are imported)
+import fedsim.engine.simulate  # noqa: E402,F401  (sets Flower/Ray environment defaults before they are imported)
+from fedsim.engine.options import EngineOptions  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
@@ -292,27 +293,30 @@ SCENARIO_LEVERS = {
 }
 
 
-# Switches that turn one lever off, to measure what it buys (--disable NAME)
+# Levers that turn one engine option off, to measure what it buys (--disable NAME): what each does,
+# and the EngineOptions field (fedsim/engine/options.py) with its value when off.
 LEVERS = {
-    "compact-app": ("ClientApp pickled as the scenario's JSON, not by value, with every message", None, None),
-    "overlap": ("evaluation of round t on one thread beside round t+1's training (evaluation.overlap)", "fedsim.strategy",
-                "ScenarioStrategy.overlap_evaluation"),
-    "known-nodes": ("node -> partition map taken from the engine, no QUERY round", "fedsim.strategy",
-                    "ScenarioStrategy.known_simulation_nodes"),
-    "fast-delivery": ("one scan of stored messages per delivery sweep", "fedsim.simulation", "FAST_MESSAGE_DELIVERY"),
-    "light-actor": ("fedsim's client actor class, cheap to import (not Flower's)", "fedsim.simulation", "LIGHT_ACTOR"),
-    "largest-first": ("the round's messages go out largest client first", "fedsim.strategy", "ScenarioStrategy.largest_first"),
+    "compact-app": ("ClientApp pickled as the scenario's JSON, not by value, with every message", None),
+    "overlap": ("evaluation of round t on one thread beside round t+1's training (evaluation.overlap)",
+                ("overlap_evaluation", False)),
+    "known-nodes": ("node -> partition map taken from the engine, no QUERY round", ("known_simulation_nodes", False)),
+    "fast-delivery": ("one scan of stored messages per delivery sweep", ("fast_message_delivery", False)),
+    "light-actor": ("fedsim's client actor class, cheap to import (not Flower's)", ("light_actor", False)),
+    "largest-first": ("the round's messages go out largest client first", ("largest_first", False)),
     "prestarted-workers": ("a local Ray started without a job runtime environment, so actors take Ray's prestarted workers",
-                           "fedsim.simulation", "PRESTARTED_WORKERS"),
-    "malloc": ("glibc malloc thresholds raised in this process and the Ray workers (fedsim/allocator.py)",
-               "fedsim.simulation", "MALLOC_SETTINGS"),
+                           ("prestarted_workers", False)),
+    "malloc": ("glibc malloc thresholds raised in this process and the Ray workers (fedsim/engine/allocator.py)",
+               ("malloc_settings", False)),
     "prompt-stop": ("the engine's threads wait at most 0.05 s on their queues (Flower: 1 s) before seeing the stop",
-                    "fedsim.simulation", "QUEUE_WAIT_SECONDS"),
-    **{k: (what, None, None) for k, (what, _) in SCENARIO_LEVERS.items()},
+                    ("queue_wait_seconds", 1.0)),
+    **{k: (what, None) for k, (what, _) in SCENARIO_LEVERS.items()},
 }
 
 
-PROMPT_STOP_WAIT = fedsim.simulation.QUEUE_WAIT_SECONDS
+def engine_options(disabled: tuple[str, ...]) -> EngineOptions:
+    """The engine options with the `disabled` levers off (the defaults otherwise)."""
+    off = dict(LEVERS[name][1] for name in disabled if LEVERS[name][1] is not None)
+    return EngineOptions(**off)
 
 
 def with_overrides(scenario, overrides: dict):
@@ -324,38 +328,15 @@ def with_overrides(scenario, overrides: dict):
     return validate_scenario(raw, scenario.name)
 
 
-def set_lever(name: str, on: bool) -> None:
-    if name in SCENARIO_LEVERS:  # applied to the scenario by run_fedsim
-        return
-    import importlib
-
-    _, module, attr = LEVERS[name]
-    if module is None:  # not a switch in fedsim: run_fedsim applies it
-        return
-    obj = importlib.import_module(module)
-    *path, last = attr.split(".")
-    for part in path:
-        obj = getattr(obj, part)
-    if name == "prompt-stop":  # a wait in seconds, not a switch: off is Flower's 1 s
-        setattr(obj, last, PROMPT_STOP_WAIT if on else 1.0)
-        return
-    if name == "overlap":  # on: the scenario decides (evaluation.overlap, on by default); off: forced off
-        setattr(obj, last, None if on else False)
-        return
-    setattr(obj, last, on)
-
-
 def run_fedsim(scenario, disabled: tuple[str, ...] = ()) -> dict:
     from ray import cloudpickle
 
-    from fedsim.ray_actor import CompactClientApp
-    from fedsim.simulation import simulate
+    from fedsim.engine.ray_actor import CompactClientApp
+    from fedsim.engine.simulate import simulate
 
     if __name__ != "__main__":  # imported (not run as a script): the actors cannot import this module
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-    for name in LEVERS:
-        set_lever(name, name not in disabled)
     for name in disabled:
         if name in SCENARIO_LEVERS:
             scenario = with_overrides(scenario, SCENARIO_LEVERS[name][1])
@@ -370,7 +351,7 @@ def run_fedsim(scenario, disabled: tuple[str, ...] = ()) -> dict:
             inner = make_client_app(scenario) if "compact-app" in disabled else CompactClientApp.of(scenario)
             app = TimedClientApp(inner, str(calls))
             cpu0, tree, t0_epoch, t0 = cpu_jiffies(), TreeCPU(), time.time(), time.perf_counter()
-            run_dir = simulate(scenario, run_dir=Path(tmp) / "run", client_app=app)
+            run_dir = simulate(scenario, run_dir=Path(tmp) / "run", client_app=app, options=engine_options(disabled))
             wall, t1_epoch = time.perf_counter() - t0, time.time()
             cores = cores_busy(cpu0, cpu_jiffies())
             own_cores = tree.seconds() / wall
@@ -378,8 +359,6 @@ def run_fedsim(scenario, disabled: tuple[str, ...] = ()) -> dict:
             records = [json.loads(line) for f in calls.glob("*.jsonl") for line in f.read_text().splitlines()]
     finally:
         timing_logger.removeHandler(handler)
-        for name in LEVERS:
-            set_lever(name, True)
     train_calls = [r for r in records if r["type"] == "train"]
     query_calls = [r for r in records if r["type"] != "train"]
     timing = [handler.rounds.get(r["round"], {}) for r in rounds]
@@ -453,7 +432,7 @@ def report(name: str, plain: dict, fed: dict) -> None:
 def run_side(side: str, name: str, args, disabled: tuple[str, ...] = ()) -> dict:
     """One side of a pair (`plain` or `fedsim`) in a fresh Python process, so that neither side
     inherits the other's process state: fedsim sets malloc thresholds in its process
-    (fedsim/allocator.py), and a process that has already run a loop is warmer than a new one."""
+    (fedsim/engine/allocator.py), and a process that has already run a loop is warmer than a new one."""
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="fedsim-overhead-side-") as tmp:
@@ -496,7 +475,7 @@ def main() -> None:
         scenario = scenarios[args.only]()
         if args.side == "plain":
             if args.plain_allocator == "fedsim":
-                from fedsim.allocator import apply_to_this_process
+                from fedsim.engine.allocator import apply_to_this_process
 
                 apply_to_this_process()
             result = plain_loop(scenario)
@@ -531,7 +510,7 @@ def main() -> None:
             print("| lever off | what it does | fedsim wall (s) | ratio | start-up (s) |")
             print("|---|---|---:|---:|---:|")
             print(f"| (none) | | {fed['wall']:.1f} | {fed['wall'] / plain['wall']:.2f}x | {fed['start_up']:.1f} |")
-            for lever, (what, _, _) in LEVERS.items():
+            for lever, (what, _) in LEVERS.items():
                 if lever not in args.levers.split(","):
                     continue
                 res = run_side("fedsim", name, args, (lever,))

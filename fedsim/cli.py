@@ -116,7 +116,7 @@ def cmd_list(args) -> int:
 def cmd_run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fedsim.interrupt import RunInterrupted, RunStopped, on_signals
+    from fedsim.engine.interrupt import RunInterrupted, RunStopped, on_signals
 
     from fedsim.results import new_run_dir, read_rounds
     from fedsim.scenario import ScenarioError, load_scenario
@@ -135,7 +135,7 @@ def cmd_run(args) -> int:
         try:
             if args.resume is None:
                 run_dir = new_run_dir(scenario, args.output)
-            from fedsim.simulation import simulate  # imports flwr/ray: after the scenario is known to be valid
+            from fedsim.engine.simulate import simulate  # imports flwr/ray: after the scenario is known to be valid
 
             columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
@@ -180,7 +180,7 @@ def skipped_exit_code(rounds: list[dict]) -> int:
 
 def stopped(code: int, scenario, run_dir: Path | None, fresh: bool) -> int:
     """Say what an interrupted run kept and how to resume it; wait briefly for the ServerApp's threads."""
-    from fedsim.interrupt import exit_now, wait_for_threads
+    from fedsim.engine.interrupt import exit_now, wait_for_threads
     from fedsim.results import read_rounds
 
     done = max((r["round"] for r in read_rounds(run_dir)), default=0) if run_dir is not None else 0
@@ -206,7 +206,7 @@ def cmd_sweep(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fedsim.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
+    from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
 
     from fedsim.report import markdown_table, write_report
     from fedsim.sweep import expand, is_done, prepare, run_sweep, sweep_dir
@@ -224,7 +224,7 @@ def cmd_sweep(args) -> int:
                 if args.jobs > 1:
                     run_in_processes(todo, folder, args.jobs, progress, overall)
                 else:
-                    from fedsim.simulation import simulate
+                    from fedsim.engine.simulate import simulate
 
                     current = progress.add_task("current", total=1, status="")
 
@@ -265,7 +265,7 @@ def run_in_processes(todo, folder: Path, jobs: int, progress, overall) -> None:
     import subprocess
     import time
 
-    from fedsim.interrupt import RunInterrupted
+    from fedsim.engine.interrupt import RunInterrupted
     from fedsim.sweep import prepare
 
     pending, active = list(todo), []
@@ -332,6 +332,13 @@ def cmd_deploy(args) -> int:
         key = args.auth_key if args.auth_key is not None else (None if certs is None else certs / f"node{args.partition}_key")
         cmds.append(deploy.supernode_cmd(args.partition, args.num_partitions, args.superlink, args.node_port,
                                          None if tls is None else tls.ca_cert, key, args.data_dir, isolation=args.isolation))
+        if args.isolation == "process" and args.executor == "fork":
+            from fedsim.engine import flower_compat
+
+            missing = flower_compat.PROBES["forking-executor"].missing()
+            if missing:
+                raise ScenarioError("fedsim deploy", [("--executor", "fedsim's forking executor needs Flower internals this "
+                                                      "flwr lacks; use --executor flower", ", ".join(missing))])
         if args.isolation == "process":  # the SuperNode starts no executor: run one beside it
             runtime_api = f"127.0.0.1:{deploy.node_port(args.partition, args.node_port)}"
             cmds.append(deploy.executor_cmd(runtime_api, poll_interval=args.poll_interval, preload=preload)
@@ -446,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
         return 2
-    except KeyboardInterrupt:  # outside a run (fedsim.interrupt handles signals inside one)
+    except KeyboardInterrupt:  # outside a run (fedsim.engine.interrupt handles signals inside one)
         err_console.print("interrupted")
         return 130
 

@@ -208,7 +208,7 @@ def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, po
     executor and not for ClientApps. So this executor imports flwr's ClientApp runtime and the
     `preload` modules once, then, like `flower-superexec`, polls the SuperNode's Runtime API
     (`AcquireTask`, every `poll_interval` s while idle) and for each task forks a child that runs
-    `flwr.supernode.runtime.run_clientapp` with the task's token: the same code `flwr-clientapp`
+    Flower's `run_clientapp` (through fedsim/engine/flower_compat.py) with the task's token: the same code `flwr-clientapp`
     runs, so the message, Context, FAB and reply go through the SuperNode exactly as before.
 
     What the child does not inherit: the app itself. Modules of this app that the parent
@@ -222,13 +222,10 @@ def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, po
     import traceback
     from logging import ERROR, INFO, WARNING
 
-    from flwr.proto.runtime_pb2 import AcquireTaskRequest
-    from flwr.supercore import log
-    from flwr.supercore.constant import TaskType
-    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
-    from flwr.supercore.retry import make_simple_http_retry_invoker
-    from flwr.supercore.runtime import RuntimeHttpClient
-    from flwr.supernode.runtime.run_clientapp import run_clientapp
+    from fedsim.engine import flower_compat
+
+    api = flower_compat.runtime_api()  # Flower's SuperNode runtime, non-public: FlowerCompatError if absent
+    log, run_clientapp = api.log, api.run_clientapp
 
     if not hasattr(os, "fork"):
         raise RuntimeError("the forking executor needs os.fork (Linux, macOS); use flower-superexec instead")
@@ -240,10 +237,7 @@ def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, po
             threading.active_count(), ",".join(preload))
     app_packages = _app_packages()
     certificates = None if runtime_root_cert is None else Path(runtime_root_cert).read_bytes()
-    client = RuntimeHttpClient.from_server_address(
-        server_address=runtime_api, insecure=runtime_root_cert is None, root_certificates=certificates,
-        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
-        retry_invoker=make_simple_http_retry_invoker())
+    client = api.connect(runtime_api, certificates)
     log(INFO, "fedsim executor: Runtime API %s, %d modules preloaded in %.1f s, polling every %.2f s",
         runtime_api, len(preload), time.perf_counter() - t0, poll_interval)
 
@@ -256,7 +250,7 @@ def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, po
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     children: dict[int, int] = {}  # pid -> task id
-    request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
+    request = api.acquire_task_request(supported_task_types=[api.client_app_task_type])
 
     def reap() -> None:
         for pid in list(children):

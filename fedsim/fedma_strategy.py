@@ -46,8 +46,8 @@ class UploadError(ValueError):
 
 
 class FedMAStrategy(ScenarioStrategy):
-    def __init__(self, runtime, on_round=None, checkpoint_dir=None) -> None:
-        super().__init__(runtime, on_round=on_round, checkpoint_dir=checkpoint_dir)
+    def __init__(self, runtime, on_round=None, checkpoint_dir=None, **engine) -> None:
+        super().__init__(runtime, on_round=on_round, checkpoint_dir=checkpoint_dir, **engine)
         self.arch = arch_for(runtime)
         self.params = self.scenario.aggregator
         self._layouts: dict[tuple[int, ...], ModelLayout] = {}

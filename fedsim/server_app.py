@@ -11,7 +11,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedsim.checkpoint import client_dir, load_server, server_dir
-from fedsim.interrupt import RunStopped, StoppableGrid
+from fedsim.engine.interrupt import RunStopped, StoppableGrid
+from fedsim.engine.options import EngineOptions
 from fedsim.registry import AGGREGATORS
 from fedsim.results import append_round, every_round_skipped, new_run_dir, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
@@ -19,6 +20,7 @@ from fedsim.strategy import ScenarioStrategy
 from fedsim.wire import pack_model
 
 log = logging.getLogger("fedsim")
+NodeMap = Callable[[Grid, float], "dict[int, int] | None"]  # (grid, timeout) -> {partition id: node id}, or None
 
 
 def strategy_class(scenario) -> type[ScenarioStrategy]:
@@ -40,13 +42,16 @@ def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: 
 
 
 def drive_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: bool = False,
-                 defer_last_evaluation: bool = False) -> Callable[[], dict]:
+                 defer_last_evaluation: bool = False, options: EngineOptions = EngineOptions(),
+                 node_map: NodeMap | None = None) -> Callable[[], dict]:
     """Run the rounds of `run_server`; returns the call that completes the run (waits for the last
     round's line, writes and returns the summary).
 
     With `defer_last_evaluation` (and `evaluation.overlap`), this returns as soon as the last round
     is aggregated and its evaluation runs in the background: the simulation engine then stops its
     client actors and Ray (about 2 s) while the global model is evaluated, instead of after.
+    `node_map(grid, timeout)` gives the simulation engine's {partition id: node id} (see
+    ScenarioStrategy.discover_nodes); `options` are the engine's (fedsim/engine/options.py).
     """
     rt = runtime_for(scenario)
     fed = scenario.federation
@@ -56,8 +61,8 @@ def drive_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints
         if progress is not None:
             progress(record)
 
-    strategy = strategy_class(scenario)(rt, on_round=on_round, checkpoint_dir=server_dir(run_dir) if checkpoints else None)
-    strategy.defer_last_round = defer_last_evaluation
+    strategy = strategy_class(scenario)(rt, on_round=on_round, checkpoint_dir=server_dir(run_dir) if checkpoints else None,
+                                        options=options, node_map=node_map, defer_last_round=defer_last_evaluation)
     done = prepare_resume(run_dir, strategy) if checkpoints else 0
     if done < fed.rounds:
         strategy.discover_nodes(grid, timeout=fed.round_timeout)
@@ -110,13 +115,15 @@ def finish(run_dir: Path, scenario, rt) -> dict:
 
 def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, checkpoints: bool = False,
                     on_rounds_done: Callable[[Callable[[], dict]], None] | None = None,
-                    stop: threading.Event | None = None, finished: threading.Event | None = None) -> ServerApp:
+                    stop: threading.Event | None = None, finished: threading.Event | None = None,
+                    options: EngineOptions = EngineOptions(), node_map: NodeMap | None = None) -> ServerApp:
     """A ServerApp for `scenario` (simulation), or reading it from the run config (deployment).
 
     With `on_rounds_done` (fedsim's simulation), the app hands it the call that completes the run
     and returns without waiting for the last round's evaluation (see `drive_server`); the caller
     must make that call after the engine has stopped. With `stop`, the app stops waiting for
-    replies once the event is set and returns (fedsim.interrupt); `finished` is set when it returns.
+    replies once the event is set and returns (fedsim.engine.interrupt); `finished` is set when it returns.
+    `options` and `node_map` go to `drive_server`.
     """
     from fedsim.deploy_config import scenario_from_context
 
@@ -131,7 +138,7 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
         else:
             folder = run_dir
         if stop is not None:
-            grid = StoppableGrid(grid, stop)
+            grid = StoppableGrid(grid, stop, options.reply_poll_seconds)
         try:
             if on_rounds_done is None:
                 run_server(grid, scen, folder, progress, checkpoints)
@@ -139,7 +146,8 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
                 if failed is not None:  # under `flwr run`: the run ends as failed (fedsim's simulation: the CLI's exit code)
                     raise RuntimeError(f"{failed} (results in {folder})")
             else:
-                on_rounds_done(drive_server(grid, scen, folder, progress, checkpoints, defer_last_evaluation=True))
+                on_rounds_done(drive_server(grid, scen, folder, progress, checkpoints, defer_last_evaluation=True,
+                                            options=options, node_map=node_map))
         except RunStopped as stopped:
             log.info("ServerApp stopped: %s", stopped)
         finally:

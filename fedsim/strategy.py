@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from aggregators.base import AggregationError
 from attacks.schedules import sample_round
 from fedsim.checkpoint import save_server
 from fedsim.compression.base import PayloadError
+from fedsim.engine.options import EngineOptions
 from fedsim.lowrank_switch import LowRankSwitch
 from fedsim.metrics import CentralEvaluator
 from fedsim.registry import AGGREGATORS, DEFENSES
@@ -92,15 +92,13 @@ class Background:
 
 
 class ScenarioStrategy(Strategy):
-    # Switches for measuring what each one buys (benchmarks/overhead.py --disable); both on in normal use.
-    overlap_evaluation: bool | None = None  # force evaluation.overlap on/off (None: the scenario decides)
-    known_simulation_nodes = True  # in fedsim's simulation, take the node -> partition map from the engine
-    largest_first = True  # send the round's messages largest client first (see longest_first)
-    defer_last_round = False  # evaluate the last round in the background too (fedsim's simulation: see drive_server)
-
     def __init__(
-        self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_dir: Path | None = None
+        self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_dir: Path | None = None,
+        options: EngineOptions = EngineOptions(), node_map: Callable | None = None, defer_last_round: bool = False,
     ) -> None:
+        self.options = options  # how fast, never what: see fedsim/engine/options.py
+        self.node_map = node_map  # fedsim's simulation: (grid, timeout) -> {partition id: node id} (see discover_nodes)
+        self.defer_last_round = defer_last_round  # evaluate the last round in the background too (see drive_server)
         self.rt = runtime
         self.checkpoint_dir = checkpoint_dir  # set in simulation: server and client state saved per round
         self.offset = 0  # rounds already completed before this start (a resumed run)
@@ -142,10 +140,11 @@ class ScenarioStrategy(Strategy):
 
         Each node is asked for its partition id (a QUERY message), as a deployment must. Inside
         fedsim's own simulation the engine's map is known where Flower registers the nodes
-        (fedsim.simulation), which saves one message per registered client at start-up.
+        (fedsim/engine/simulate.py, handed in as `node_map`), which saves one message per registered
+        client at start-up.
         """
         expected = self.scenario.federation.num_clients
-        known = self._simulation_nodes(grid, timeout) if self.known_simulation_nodes else None
+        known = self._simulation_nodes(grid, timeout)
         if known is not None:
             if sorted(known) != list(range(expected)):
                 raise RuntimeError(f"the simulation registered partitions {sorted(known)[:10]}..., expected 0..{expected - 1}")
@@ -173,12 +172,11 @@ class ScenarioStrategy(Strategy):
         if missing:
             raise RuntimeError(f"no node holds partitions {missing[:10]}{'...' if len(missing) > 10 else ''}")
 
-    @staticmethod
-    def _simulation_nodes(grid: Grid, timeout: float) -> dict[int, int] | None:
-        """{partition id: node id} as fedsim.simulation captured it for this grid, or None elsewhere."""
-        sim = sys.modules.get("fedsim.simulation")  # not imported: not fedsim's simulation
-        inner = getattr(grid, "inner", grid)  # fedsim.interrupt.StoppableGrid wraps the engine's grid
-        return None if sim is None else sim.registered_partitions(inner, timeout)
+    def _simulation_nodes(self, grid: Grid, timeout: float) -> dict[int, int] | None:
+        """{partition id: node id} as fedsim's simulation engine registered them, or None elsewhere."""
+        if self.node_map is None:
+            return None
+        return self.node_map(getattr(grid, "inner", grid), timeout)  # StoppableGrid wraps the engine's grid
 
     # --- training round -----------------------------------------------------------------------
     def resume_from(self, state: dict) -> None:
@@ -241,7 +239,7 @@ class ScenarioStrategy(Strategy):
         the largest jobs start first and the round does not end with one actor training a big client
         while the others idle (longest-processing-time-first scheduling). Results do not depend on it:
         updates are aggregated in partition-id order."""
-        if not self.largest_first:
+        if not self.options.largest_first:
             return list(sampled)
         parts = self.rt.partitions
         return sorted(sampled, key=lambda p: (-len(parts[shard_of.get(p, p)]), p))
@@ -421,7 +419,7 @@ class ScenarioStrategy(Strategy):
         evaluate = server_round == 0 or server_round % ev.every == 0 or last
         model = self.global_model() if evaluate else None  # a snapshot: the next round replaces global_vec
         close = (server_round, record, model, timing, self.t_round)
-        overlap = ev.overlap if self.overlap_evaluation is None else self.overlap_evaluation
+        overlap = ev.overlap if self.options.overlap_evaluation is None else self.options.overlap_evaluation
         if overlap and (not last or self.defer_last_round):
             # beside the next round: one thread by default (the client actors have the cores);
             # the last round's, deferred past the engine's shutdown: as many as in line

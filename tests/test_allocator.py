@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fedsim.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, merged_tunables, tunables
+from fedsim.engine.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, merged_tunables, tunables
 
 
 def test_tunables_name_both_thresholds():
@@ -35,7 +35,7 @@ def test_freed_blocks_are_reused_not_faulted_in_again():
     code = (
         "import resource, sys, numpy as np\n"
         "if sys.argv[1] == 'fedsim':\n"
-        "    from fedsim.allocator import apply_to_this_process; assert apply_to_this_process()\n"
+        "    from fedsim.engine.allocator import apply_to_this_process; assert apply_to_this_process()\n"
         "np.ones(4 * 1024 * 1024, dtype=np.float32)\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "np.ones(4 * 1024 * 1024, dtype=np.float32)\n"

@@ -257,7 +257,7 @@ def test_impossible_combinations_refused_naming_both(override, names):
 def test_on_ray_equals_in_process(tmp_path):
     """Through Flower's simulation engine (Ray actors, node state kept by Flower between the
     exchanges) the rounds are the same as with the in-process grid."""
-    from fedsim.simulation import simulate
+    from fedsim.engine.simulate import simulate
 
     # a generous timeout: Ray's actors start (and import torch) inside the first exchange
     scenario = load_scenario(SCENARIO, SMALL + ["model.hidden=[16, 12]", "federation.round_timeout=600"])

@@ -1,5 +1,5 @@
 """Ctrl-C and SIGTERM stop a run within seconds, keep every completed round, and the run resumes
-to exactly the metrics of an uninterrupted run (fedsim.interrupt). The end-to-end tests start a
+to exactly the metrics of an uninterrupted run (fedsim.engine.interrupt). The end-to-end tests start a
 real `fedsim run` / `fedsim sweep` process through Ray, signal it mid-run, and check its exit code,
 how long it took to exit, that no process of its session is left, and the resumed metrics."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from flwr.app import Message
 
-from fedsim.interrupt import RunInterrupted, RunStopped, StoppableGrid, on_signals
+from fedsim.engine.interrupt import RunInterrupted, RunStopped, StoppableGrid, on_signals
 from fedsim.results import read_rounds
 
 REPO = Path(__file__).resolve().parents[1]

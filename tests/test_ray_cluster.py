@@ -22,7 +22,7 @@ import pytest
 
 from fedsim.results import read_rounds
 from fedsim.scenario import load_scenario
-from fedsim.simulation import backend_config, ray_address, simulate
+from fedsim.engine.simulate import backend_config, ray_address, simulate
 from test_deployment import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import pytest
 
 from fedsim.results import read_rounds
 from fedsim.scenario import load_scenario
-from fedsim.simulation import simulate
+from fedsim.engine.simulate import simulate
 
 pytestmark = pytest.mark.simulation
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_info
 
-from fedsim.simulation import single_threaded_openblas
+from fedsim.engine.simulate import single_threaded_openblas
 
 
 def _openblas_threads() -> list[int]:

@@ -14,7 +14,7 @@ wrapped or replaced, and restored afterwards:
 * actor shutdown: the client actors are killed with `ray.kill(no_restart=True)` rather than asked
   to exit through a task, which the restart policy below would otherwise report as a failed task
   to retry;
-* the actor class: fedsim's `ClientActor` (fedsim/ray_actor.py), Flower's `ClientAppActor` defined
+* the actor class: fedsim's `ClientActor` (fedsim/engine/ray_actor.py), Flower's `ClientAppActor` defined
   in a module that is cheap to import in every actor;
 * Ray's start (a local one): Flower starts Ray with a job runtime environment (only PYTHONPATH,
   which a local Ray's workers inherit anyway), and Ray cannot hand the workers it prestarts at
@@ -23,13 +23,15 @@ wrapped or replaced, and restored afterwards:
   attaching to an existing cluster still goes through Flower's start, runtime environment and all;
 * the engine's two queues: its worker threads wait on them up to 1 s before they look at the stop
   event, so the engine stopped (and Ray's shutdown began) up to a second after the ServerApp had
-  finished; the queues used during `simulate` cap that wait at `QUEUE_WAIT_SECONDS`.
+  finished; the queues used during `simulate` cap that wait at `EngineOptions.queue_wait_seconds`.
 
-If the installed Flower lacks what these rely on, `simulate` leaves the engine alone (it stays
-correct, only slower at scale).
+Every one of these reaches into Flower's non-public API through fedsim/engine/flower_compat.py; if
+the installed Flower lacks what they rely on, `simulate` leaves the engine alone (it stays
+correct, only slower at scale). Each is an `EngineOptions` field (fedsim/engine/options.py), on by
+default, so that benchmarks/overhead.py can measure what it buys.
 
 The engine pickles the ClientApp with every message it sends to a Ray actor: `simulate` sends a
-`CompactClientApp` (fedsim/ray_actor.py), pickled as the scenario's JSON text; each worker process
+`CompactClientApp` (fedsim/engine/ray_actor.py), pickled as the scenario's JSON text; each worker process
 builds the real ClientApp from it once and reuses it.
 
 `federation.ray_address` (or the RAY_ADDRESS environment variable) attaches the simulation to an
@@ -59,21 +61,16 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # see single_threaded_openblas() for why, and the client actors are single-threaded anyway.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from fedsim.allocator import apply_to_this_process, in_child_environment  # noqa: E402
-from fedsim.interrupt import RunStopped  # noqa: E402
-from fedsim.ray_actor import ClientActor, CompactClientApp  # noqa: E402
+from fedsim.engine import flower_compat  # noqa: E402
+from fedsim.engine.allocator import apply_to_this_process, in_child_environment  # noqa: E402
+from fedsim.engine.interrupt import RunStopped  # noqa: E402
+from fedsim.engine.options import EngineOptions  # noqa: E402
+from fedsim.engine.ray_actor import CompactClientApp, client_actor_class  # noqa: E402
 from fedsim.results import new_run_dir  # noqa: E402
 from fedsim.scenario import dump_scenario  # noqa: E402
 from fedsim.server_app import make_server_app  # noqa: E402
 
 OBJECT_STORE_BYTES = 256 * 1024**2
-FAST_MESSAGE_DELIVERY = True  # switch for benchmarks/overhead.py --disable; on in normal use
-DELIVERY_SWEEP_SECONDS = 0.02  # Flower's loop sweeps every 0.1 s; one sweep here scans only the messages in flight
-LIGHT_ACTOR = True  # the same: fedsim's ClientActor instead of Flower's ClientAppActor
-PRESTARTED_WORKERS = True  # the same: a local Ray started without a job runtime environment (start_local_ray)
-MALLOC_SETTINGS = True  # the same: fedsim/allocator.py's malloc thresholds in this process and the Ray workers
-QUEUE_WAIT_SECONDS = 0.05  # the engine's workers wait up to 1 s on an empty queue before checking the stop event
-STOP_GRACE_SECONDS = 20.0  # after an interrupt: how long the ServerApp may take to write its last completed round
 
 log = logging.getLogger("fedsim")
 
@@ -114,72 +111,74 @@ def backend_config(scenario, verbose: bool) -> dict:
 
 
 # --- the engine adjustments ----------------------------------------------------------------------
-_PARTITIONS: dict[int, dict[int, int]] = {}  # id(link state) -> {partition id: node id}, while simulating
-_PARTITIONS_LOCK = threading.Lock()
+class NodeMaps:
+    """{partition id: node id} per link state, recorded where the engine registers its nodes.
+
+    One per process (the engine's functions are patched process-wide); `simulate` calls may nest
+    or overlap, so maps are keyed by the link state they belong to."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0  # simulate() calls in progress in this process
+        self.maps: dict[int, dict[int, int]] = {}
+
+    def record(self, state, mapping: dict[int, int]) -> None:
+        with self.lock:
+            self.maps[id(state)] = {pid: node for node, pid in mapping.items()}
+
+    def lookup(self, grid, timeout: float) -> dict[int, int] | None:
+        """{partition id: node id} of the simulation driving `grid`, waiting up to `timeout` s for
+        the engine to register the nodes (the ServerApp thread starts first); None when `grid`
+        does not belong to a `simulate` call (then the server asks each node)."""
+        state = flower_compat.grid_link_state(grid)
+        if state is None:
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if not self.active:
+                    return None
+                found = self.maps.get(id(state))
+            if found is not None:
+                return dict(found)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the simulation engine registered no nodes within {timeout:.0f}s")
+            time.sleep(0.02)
+
+
+NODE_MAPS = NodeMaps()
 
 
 def registered_partitions(grid, timeout: float) -> dict[int, int] | None:
-    """{partition id: node id} of the simulation driving `grid`, waiting up to `timeout` s for the
-    engine to register the nodes (the ServerApp thread starts first); None when `grid` does not
-    belong to a `simulate` call (then the server asks each node)."""
-    state = getattr(grid, "state", None)
-    if state is None:
-        return None
-    deadline = time.monotonic() + timeout
-    while True:
-        with _PARTITIONS_LOCK:
-            if not _ACTIVE:
-                return None
-            found = _PARTITIONS.get(id(state))
-        if found is not None:
-            return dict(found)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the simulation engine registered no nodes within {timeout:.0f}s")
-        time.sleep(0.02)
+    """See `NodeMaps.lookup`."""
+    return NODE_MAPS.lookup(grid, timeout)
 
 
-_ACTIVE = 0  # simulate() calls in progress in this process
+def prompt_stop_queue(wait_seconds: float) -> type[queue.Queue]:
+    """The engine's message queues, with a blocking `get` that waits at most `wait_seconds`: its
+    threads poll `get(timeout=1.0)` and then check the stop event, so that is how long they kept
+    the engine (and Ray) running after the last round."""
+
+    class PromptStopQueue(queue.Queue):
+        def get(self, block=True, timeout=None):
+            if block and timeout is not None:
+                timeout = min(timeout, wait_seconds)
+            return super().get(block, timeout)
+
+    return PromptStopQueue
 
 
-class PromptStopQueue(queue.Queue):
-    """The engine's message queues, with a blocking `get` that waits at most `QUEUE_WAIT_SECONDS`:
-    its threads poll `get(timeout=1.0)` and then check the stop event, so that is how long they
-    kept the engine (and Ray) running after the last round."""
-
-    def get(self, block=True, timeout=None):
-        if block and timeout is not None:
-            timeout = min(timeout, QUEUE_WAIT_SECONDS)
-        return super().get(block, timeout)
-
-
-def _deliver_messages(state, queue, nodes_mapping, f_stop) -> None:
+def deliver_messages(state, queue, nodes_mapping, f_stop, sweep_seconds: float) -> None:
     """What vce_api.add_messages_to_queue does (move undelivered instructions for registered nodes
     to the workers' queue, marking them delivered, dropping expired ones), with one scan of the
     stored messages per sweep instead of one per registered node."""
-    from flwr.supercore.date import now
-
     while not f_stop.is_set():
-        batch = []
-        with state.lock:
-            ids = {
-                mid for mid, msg in state.message_ins_store.items()
-                if msg.metadata.delivered_at == "" and msg.metadata.dst_node_id in nodes_mapping
-            }
-            if ids:
-                state._check_stored_messages(ids)  # drops expired messages, as get_message_ins does
-                delivered_at = now().isoformat()
-                for mid in ids:
-                    msg = state.message_ins_store.get(mid)
-                    if msg is not None and msg.metadata.delivered_at == "":
-                        msg.metadata.delivered_at = delivered_at
-                        batch.append(msg)
-        batch.sort(key=lambda m: m.metadata.created_at)  # in the order the server sent them
-        for msg in batch:
+        for msg in flower_compat.undelivered_messages(state, nodes_mapping):
             queue.put(msg)
-        f_stop.wait(DELIVERY_SWEEP_SECONDS)
+        f_stop.wait(sweep_seconds)
 
 
-def start_local_ray(original_init_ray, after_init: Callable[[], None]):
+def start_local_ray(original_init_ray, after_init: Callable[[], None], malloc_settings: bool):
     """`RayBackend.init_ray` for a Ray started here: what Flower's does (PYTHONPATH for the workers'
     imports, no dashboard), with PYTHONPATH passed through the environment the raylet and its
     workers inherit rather than a job runtime environment, so the actors take the worker processes
@@ -203,58 +202,36 @@ def start_local_ray(original_init_ray, after_init: Callable[[], None]):
         if os.environ.get("PYTHONPATH"):
             pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
         os.environ["PYTHONPATH"] = pythonpath  # as Flower's init_ray sets it
-        with in_child_environment() if MALLOC_SETTINGS else contextlib.nullcontext():  # the workers' malloc
+        with in_child_environment() if malloc_settings else contextlib.nullcontext():  # the workers' malloc
             ray.init(**init_args)
 
     return init_ray
 
 
-def _engine_supports_adjustments() -> bool:
-    try:
-        from flwr.server.superlink.fleet.vce import vce_api
-        from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
-        from flwr.supercore.date import now  # noqa: F401
-    except ImportError:
-        return False
-    from flwr.server.superlink.fleet.vce.backend import raybackend
-    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
-
-    return (
-        hasattr(raybackend, "ClientAppActor") and hasattr(raybackend.RayBackend, "init_ray")
-        and all(hasattr(vce_api, n) for n in ("_register_nodes", "add_messages_to_queue", "Queue"))
-        and all(hasattr(InMemoryLinkState, n) for n in ("_check_stored_messages", "get_message_ins"))
-        and hasattr(BasicActorPool, "terminate_all_actors")
-    )
-
-
 @contextlib.contextmanager
-def engine_adjustments(after_ray_init: Callable[[], None] = lambda: None):
+def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init: Callable[[], None] = lambda: None):
     """Wrap node registration and replace message delivery in Flower's simulation engine, then restore them.
 
     `after_ray_init` runs right after Ray has started (`ray.init` replaces the process's SIGTERM
     handler; fedsim's run puts its own back there)."""
-    global _ACTIVE
-    if not _engine_supports_adjustments():
-        log.warning("this flwr version lacks what fedsim's simulation adjustments use; running the engine as is")
+    if not flower_compat.PROBES["simulation-engine"].holds():
+        log.warning("this flwr version lacks what fedsim's simulation adjustments use (%s); running the engine as is",
+                    ", ".join(flower_compat.PROBES["simulation-engine"].missing()))
         yield
         return
-    from flwr.server.superlink.fleet.vce import vce_api
-    from flwr.server.superlink.fleet.vce.backend import raybackend
-    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
-
+    vce_api, raybackend, actor_pool = flower_compat.engine_modules()
     original_register, original_deliver = vce_api._register_nodes, vce_api.add_messages_to_queue
-    original_terminate, original_actor = BasicActorPool.terminate_all_actors, raybackend.ClientAppActor
+    original_terminate, original_actor = actor_pool.terminate_all_actors, raybackend.ClientAppActor
     original_queue, original_init_ray = vce_api.Queue, raybackend.RayBackend.init_ray
 
     def register_nodes(num_nodes, state_factory):
         mapping = original_register(num_nodes=num_nodes, state_factory=state_factory)
-        with _PARTITIONS_LOCK:
-            _PARTITIONS[id(state_factory.state())] = {pid: node for node, pid in mapping.items()}
+        NODE_MAPS.record(state_factory.state(), mapping)
         return mapping
 
     def deliver(state, queue, nodes_mapping, f_stop):
-        if FAST_MESSAGE_DELIVERY and hasattr(state, "message_ins_store"):
-            return _deliver_messages(state, queue, nodes_mapping, f_stop)
+        if options.fast_message_delivery and flower_compat.has_message_store(state):
+            return deliver_messages(state, queue, nodes_mapping, f_stop, options.delivery_sweep_seconds)
         return original_deliver(state, queue, nodes_mapping, f_stop)
 
     def terminate_all_actors(pool):
@@ -263,24 +240,25 @@ def engine_adjustments(after_ray_init: Callable[[], None] = lambda: None):
         for actor in pool.pool:
             ray.kill(actor, no_restart=True)
 
-    with _PARTITIONS_LOCK:
-        _ACTIVE += 1
+    with NODE_MAPS.lock:
+        NODE_MAPS.active += 1
     vce_api._register_nodes, vce_api.add_messages_to_queue = register_nodes, deliver
-    BasicActorPool.terminate_all_actors = terminate_all_actors
-    vce_api.Queue = PromptStopQueue
-    if PRESTARTED_WORKERS:
-        raybackend.RayBackend.init_ray = start_local_ray(original_init_ray, after_ray_init)
-    if LIGHT_ACTOR:
-        raybackend.ClientAppActor = ClientActor
+    actor_pool.terminate_all_actors = terminate_all_actors
+    vce_api.Queue = prompt_stop_queue(options.queue_wait_seconds)
+    if options.prestarted_workers:
+        raybackend.RayBackend.init_ray = start_local_ray(original_init_ray, after_ray_init, options.malloc_settings)
+    light_actor = client_actor_class() if options.light_actor else None
+    if light_actor is not None:
+        raybackend.ClientAppActor = light_actor
     try:
         yield
     finally:
-        with _PARTITIONS_LOCK:
-            _ACTIVE -= 1
-            if not _ACTIVE:
-                _PARTITIONS.clear()
+        with NODE_MAPS.lock:
+            NODE_MAPS.active -= 1
+            if not NODE_MAPS.active:
+                NODE_MAPS.maps.clear()
                 vce_api._register_nodes, vce_api.add_messages_to_queue = original_register, original_deliver
-                BasicActorPool.terminate_all_actors = original_terminate
+                actor_pool.terminate_all_actors = original_terminate
                 raybackend.ClientAppActor = original_actor
                 vce_api.Queue = original_queue
                 raybackend.RayBackend.init_ray = original_init_ray
@@ -303,21 +281,21 @@ def single_threaded_openblas():
 
 
 def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progress=None, client_app=None,
-             stop: threading.Event | None = None, signals=None) -> Path:
+             stop: threading.Event | None = None, signals=None, options: EngineOptions = EngineOptions()) -> Path:
     """Run `scenario` on Ray-simulated clients; returns the run folder.
 
     A `run_dir` that already holds completed rounds (and checkpoints) is resumed, not restarted.
     `client_app` replaces the scenario's ClientApp (tests inject failing clients this way).
-    `stop` ends the run early when set (fedsim.interrupt: the CLI sets it on Ctrl-C/SIGTERM);
-    `signals`, the CLI's `fedsim.interrupt.on_signals` handle, has its handlers put back after
-    `ray.init` replaced SIGTERM's. Whatever ends the run early (an interrupt, an error), the
-    ServerApp thread is told to stop and given `STOP_GRACE_SECONDS` to finish writing the last
-    completed round before the exception propagates.
+    `stop` ends the run early when set (fedsim.engine.interrupt: the CLI sets it on Ctrl-C/SIGTERM);
+    `signals`, the CLI's `on_signals` handle, has its handlers put back after `ray.init` replaced
+    SIGTERM's. Whatever ends the run early (an interrupt, an error), the ServerApp thread is told
+    to stop and given `options.stop_grace_seconds` to finish writing the last completed round
+    before the exception propagates.
     """
     from flwr.simulation import run_simulation
 
     quiet_logs(verbose)
-    if MALLOC_SETTINGS:
+    if options.malloc_settings:
         apply_to_this_process()
     if run_dir is None:
         run_dir = new_run_dir(scenario)
@@ -328,11 +306,13 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     server_finished = threading.Event()
     completions = []  # the ServerApp hands over the rest of the run: the last evaluation and the summary
     after_ray_init = signals.reinstall if signals is not None else (lambda: None)
+    node_map = registered_partitions if options.known_simulation_nodes else None
     try:
-        with engine_adjustments(after_ray_init), single_threaded_openblas():
+        with engine_adjustments(options, after_ray_init), single_threaded_openblas():
             run_simulation(
                 server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints,
-                                           on_rounds_done=completions.append, stop=stop, finished=server_finished),
+                                           on_rounds_done=completions.append, stop=stop, finished=server_finished,
+                                           options=options, node_map=node_map),
                 client_app=client_app if client_app is not None else CompactClientApp.of(scenario),
                 num_supernodes=scenario.federation.num_clients,
                 backend_name="ray",
@@ -341,7 +321,7 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
             )
     except BaseException:
         stop.set()
-        server_finished.wait(STOP_GRACE_SECONDS)
+        server_finished.wait(options.stop_grace_seconds)
         raise
     if stop.is_set() and not completions:
         raise RunStopped(f"the run was stopped; completed rounds are in {run_dir}")

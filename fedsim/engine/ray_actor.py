@@ -10,10 +10,13 @@ message, as before.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import ray
-from flwr.clientapp.client_app import ClientApp, ClientAppException, LoadClientAppError
+from flwr.clientapp import ClientApp
+
+from fedsim.engine import flower_compat
 
 
 class ClientAppRunner:
@@ -26,6 +29,7 @@ class ClientAppRunner:
             on_actor_init_fn()
 
     def run(self, client_app_fn, message, cid: str, context):
+        ClientAppException, LoadClientAppError = flower_compat.actor_exceptions()
         try:
             app = client_app_fn()
             out_message = app(message=message, context=context)
@@ -39,7 +43,13 @@ class ClientAppRunner:
         ray.actor.exit_actor()
 
 
-ClientActor = ray.remote(ClientAppRunner)  # what the engine creates in each worker
+@functools.cache
+def client_actor_class():
+    """The Ray actor class the engine creates in each worker, or None when the installed Flower's
+    actor contract is not the one this class follows (the engine then keeps Flower's own)."""
+    if not flower_compat.PROBES["actor-contract"].holds():
+        return None
+    return ray.remote(ClientAppRunner)
 
 
 class CompactClientApp(ClientApp):

@@ -17,7 +17,7 @@ import pytest
 
 from fedsim.results import read_rounds
 from fedsim.scenario import load_scenario
-from fedsim.simulation import backend_config, simulate
+from fedsim.engine.simulate import backend_config, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """The pieces that make fedsim's simulation cheap per message and at scale, each against what it replaces.
 
-* `_deliver_messages` must hand Flower's workers exactly the messages Flower's own
+* `deliver_messages` must hand Flower's workers exactly the messages Flower's own
   `add_messages_to_queue` hands them (same link state, same registered nodes, expired and foreign
   messages left alone), only with one scan per sweep instead of one per registered node.
 * `CompactClientApp` must pickle small and rebuild the very same scenario in the worker.
@@ -31,10 +31,14 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
-from fedsim.ray_actor import CompactClientApp, _client_app
+from fedsim.engine.ray_actor import CompactClientApp, _client_app
 from fedsim.runtime import scenario_key
 from fedsim.scenario import load_scenario
-from fedsim.simulation import _deliver_messages, registered_partitions
+from fedsim.engine.simulate import deliver_messages, prompt_stop_queue, registered_partitions
+
+
+def _deliver_messages(state, queue, mapping, stop):
+    return deliver_messages(state, queue, mapping, stop, 0.02)
 
 
 def _link_state(num_nodes: int):
@@ -164,7 +168,7 @@ def test_client_actor_keeps_flowers_actor_contract():
     from flwr.app import Context
     from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
 
-    from fedsim.ray_actor import ClientAppRunner
+    from fedsim.engine.ray_actor import ClientAppRunner
 
     context = Context(run_id=1, node_id=2, node_config={}, state=RecordDict(), run_config={})
     message = Message(RecordDict(), dst_node_id=2, message_type="query")
@@ -192,7 +196,7 @@ def test_client_actor_keeps_flowers_actor_contract():
 def test_actor_module_is_cheap_to_import():
     """What a client actor imports for its class and its ClientApp leaves flwr.simulation (the
     link state, SQLAlchemy, FastAPI), fedsim's server side and torch (imported with the first message) out."""
-    code = ("import sys, fedsim.ray_actor\n"
+    code = ("import sys, fedsim.engine.ray_actor\n"
             "print(sorted(m for m in ('flwr.simulation', 'sqlalchemy', 'fastapi', 'fedsim.server_app', 'torch')"
             " if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -202,26 +206,31 @@ def test_actor_module_is_cheap_to_import():
 def test_simulate_swaps_the_actor_class_and_restores_it():
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
-    from fedsim.ray_actor import ClientActor
-    from fedsim.simulation import engine_adjustments
+    from fedsim.engine.options import EngineOptions
+    from fedsim.engine.ray_actor import client_actor_class
+    from fedsim.engine.simulate import engine_adjustments
 
     original = raybackend.ClientAppActor
     with engine_adjustments():
-        assert raybackend.ClientAppActor is ClientActor
+        assert raybackend.ClientAppActor is client_actor_class()
     assert raybackend.ClientAppActor is original
+    with engine_adjustments(EngineOptions(light_actor=False)):  # the benchmark's lever off: Flower's own
+        assert raybackend.ClientAppActor is original
 
 
 def test_simulate_swaps_the_engine_queue_and_restores_it():
     """The engine's threads poll their queues with a 1 s timeout before checking the stop event;
     during `simulate` the wait is capped so the engine stops as soon as the ServerApp is done."""
-    from fedsim.simulation import QUEUE_WAIT_SECONDS, PromptStopQueue, engine_adjustments
+    from fedsim.engine.options import EngineOptions
+    from fedsim.engine.simulate import engine_adjustments
 
     original = vce_api.Queue
     with engine_adjustments():
-        assert vce_api.Queue is PromptStopQueue
+        assert vce_api.Queue is not original and vce_api.Queue.__name__ == "PromptStopQueue"
     assert vce_api.Queue is original
 
-    q = PromptStopQueue()
+    QUEUE_WAIT_SECONDS = EngineOptions().queue_wait_seconds
+    q = prompt_stop_queue(QUEUE_WAIT_SECONDS)()
     start = time.monotonic()
     with pytest.raises(queue.Empty):
         q.get(timeout=30.0)
@@ -236,8 +245,8 @@ def test_local_ray_starts_without_a_job_runtime_env(monkeypatch):
     cluster (an address) still goes through Flower's start."""
     import ray
 
-    from fedsim.allocator import tunables
-    from fedsim.simulation import start_local_ray
+    from fedsim.engine.allocator import tunables
+    from fedsim.engine.simulate import start_local_ray
 
     calls, flower = [], []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -250,7 +259,8 @@ def test_local_ray_starts_without_a_job_runtime_env(monkeypatch):
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    init_ray = start_local_ray(lambda backend, config: flower.append(config))
+    started = []
+    init_ray = start_local_ray(lambda backend, config: flower.append(config), lambda: started.append(1), True)
 
     init_ray(None, {"init_args": {"num_cpus": 2, "logging_level": "ERROR"}})
     assert calls == [{"num_cpus": 2, "logging_level": "ERROR", "include_dashboard": False}] and not flower
@@ -262,12 +272,13 @@ def test_local_ray_starts_without_a_job_runtime_env(monkeypatch):
     cluster = {"init_args": {"address": "127.0.0.1:6379"}}
     init_ray(None, cluster)
     assert flower == [cluster] and len(calls) == 1
+    assert started == [1, 1]  # after either start (fedsim puts its SIGTERM handler back there)
 
 
 def test_simulate_swaps_ray_start_and_restores_it():
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
-    from fedsim.simulation import engine_adjustments
+    from fedsim.engine.simulate import engine_adjustments
 
     original = raybackend.RayBackend.init_ray
     with engine_adjustments():
