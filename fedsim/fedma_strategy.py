@@ -34,7 +34,8 @@ from fedsim.fedma_client import arch_for, record_to_state, state_to_record
 from fedsim.models.layout import ModelLayout
 from fedsim.seeding import SERVER, derive_seed
 from fedsim.strategy import ScenarioStrategy
-from fedsim.wire import message_bytes, records_bytes
+from fedsim.compression.base import PayloadError
+from fedsim.wire import MAX_EXAMPLES, message_bytes, records_bytes
 
 log = logging.getLogger("fedsim")
 
@@ -221,14 +222,15 @@ class FedMAStrategy(ScenarioStrategy):
             if reply.has_error():
                 record["rejected"][pid] = f"layer {l}: client error: {reply.error.reason}"
                 continue
-            size = message_bytes(reply)
-            record["bytes_up"] += size
-            record["bytes_up_per_client"][pid] = record["bytes_up_per_client"].get(pid, 0) + size
             try:
+                size = message_bytes(reply)
+                record["bytes_up"] += size
+                record["bytes_up_per_client"][pid] = record["bytes_up_per_client"].get(pid, 0) + size
                 out[pid] = self._check_upload(reply.content, l, state, counts, pid)
                 if l == 0:
                     losses[pid] = float(reply.content["metrics"].get("train-loss", float("nan")))
-            except UploadError as err:
+            except (UploadError, PayloadError, KeyError, TypeError, ValueError, OverflowError) as err:
+                out.pop(pid, None)
                 record["rejected"][pid] = f"layer {l}: {err}"
                 log.warning("round %s: rejected FedMA upload from client %s: %s", record["round"], pid, err)
         for pid in expected:
@@ -258,7 +260,8 @@ class FedMAStrategy(ScenarioStrategy):
             raise UploadError("weights contain NaN or Inf")
         if l == 0:
             c = arrays.get("class-counts")
-            if c is None or c.shape != (self.rt.data.num_classes,) or not np.isfinite(c).all() or (c < 0).any():
-                raise UploadError("class-counts must be one non-negative count per class")
+            if (c is None or c.shape != (self.rt.data.num_classes,) or not np.isfinite(c).all() or (c < 0).any()
+                    or (c > MAX_EXAMPLES).any()):
+                raise UploadError(f"class-counts must be one count in [0, {MAX_EXAMPLES}] per class")
             counts[pid] = c.astype(np.float64)
         return {layer.weight: weight, layer.bias: bias}

@@ -281,10 +281,10 @@ class ScenarioStrategy(Strategy):
             if reply.has_error():
                 rejected[pid] = f"client error: {reply.error.reason}"
                 continue
-            size = message_bytes(reply)
-            up += size
-            up_per_client[pid] = size
             try:
+                size = message_bytes(reply)
+                up += size
+                up_per_client[pid] = size
                 update, weight, loss = decode_upload(reply.content, self.rt.codec, self.layout)
             except PayloadError as err:
                 rejected[pid] = str(err)

@@ -8,9 +8,11 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from fedsim.compression.base import PayloadError
+from fedsim.engine.flower_compat import recorddict_size
 from fedsim.models.layout import ModelLayout
 
 MAX_PAYLOAD_FACTOR = 4  # a payload may be at most this many times the float32 model (plus 1 MiB)
+MAX_EXAMPLES = 2**31 - 1  # an example count above this is not a client's dataset; float32 weights stay exact-ish and finite
 
 
 def pack_model(vec: torch.Tensor, layout: ModelLayout) -> ArrayRecord:
@@ -56,35 +58,44 @@ def decode_upload(content, codec, layout: ModelLayout) -> tuple[torch.Tensor, fl
         if "update" not in content.array_records or "metrics" not in content.metric_records:
             raise PayloadError("reply needs an 'update' ArrayRecord and a 'metrics' MetricRecord")
         weight = float(content["metrics"]["num-examples"])
-        if not weight >= 0 or weight == float("inf"):
-            raise PayloadError(f"num-examples must be a finite count >= 0, got {weight}")
+        if not 0 <= weight <= MAX_EXAMPLES:  # NaN fails too
+            raise PayloadError(f"num-examples must be a count in [0, {MAX_EXAMPLES}], got {excerpt(content['metrics']['num-examples'])}")
         update = codec.decode(unpack_payload(content["update"], layout), layout)
         loss = float(content["metrics"].get("train-loss", float("nan")))
     except PayloadError:
         raise
-    except (KeyError, TypeError, ValueError) as err:  # malformed records from an untrusted client
-        raise PayloadError(f"malformed reply: {err!r}") from None
+    except (KeyError, TypeError, ValueError, OverflowError) as err:  # malformed records from an untrusted client
+        raise PayloadError(f"malformed reply: {excerpt(err)}") from None
     if update.shape != (layout.dim,) or update.dtype != torch.float32:
         raise PayloadError(f"decoded update has shape {tuple(update.shape)} / {update.dtype}")
     if not torch.isfinite(update).all():
         raise PayloadError("update contains NaN or Inf")
+    if not torch.isfinite(torch.linalg.vector_norm(update)):  # finite entries whose norm overflows float32
+        raise PayloadError("update norm overflows float32")
     return update, weight, loss
+
+
+def excerpt(value, limit: int = 80) -> str:
+    """A bounded rendering of an untrusted value for a rejection reason."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def records_bytes(records: dict) -> int:
     """Serialized size of a RecordDict holding `records`; sizes of disjoint record sets add up exactly
     (each record is its own protobuf map entry), so a shared model record is sized once per round."""
-    from flwr.common.serde import recorddict_to_proto
-
-    return recorddict_to_proto(RecordDict(records)).ByteSize()
+    return recorddict_size(RecordDict(records))
 
 
 def message_bytes(msg: Message) -> int:
     """Serialized size of the message's content (its RecordDict protobuf): the payload it carries.
 
     Flower's per-message metadata (ids, timestamps, ~100 bytes) is left out: it varies run to run
-    with the random node ids and says nothing about the algorithm.
+    with the random node ids and says nothing about the algorithm. A reply that cannot be
+    serialized (in simulation nothing serializes replies on the way, so e.g. an integer metric
+    outside int64 arrives as is) could not have crossed a real wire: PayloadError.
     """
-    from flwr.common.serde import recorddict_to_proto
-
-    return recorddict_to_proto(msg.content).ByteSize()
+    try:
+        return recorddict_size(msg.content)
+    except (ValueError, TypeError, OverflowError) as err:
+        raise PayloadError(f"reply does not serialize: {excerpt(err)}") from None

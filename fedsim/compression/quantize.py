@@ -66,8 +66,8 @@ def unpack_levels(arr: np.ndarray, s: int, n: int, what: str) -> torch.Tensor:
         u[0::2], u[1::2] = arr & 15, arr >> 4
         levels = u[:n] - s
     else:
-        levels = arr.astype(np.int16)
-    if levels.size and int(np.abs(levels).max()) > s:
+        levels = arr.astype(np.int32)  # wide enough that abs(int8/int16 minimum) cannot wrap around
+    if levels.size and int(np.abs(levels.astype(np.int32)).max()) > s:
         raise PayloadError(f"{what}: level outside [-{s}, {s}]")
     return torch.from_numpy(levels.astype(np.float32))
 
