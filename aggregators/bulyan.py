@@ -97,6 +97,11 @@ class BulyanParams(Params):
         "pass, theta=n-2f (flwr serverapp Bulyan); krum_single_pass: one pass, theta=n-f-2 (DETOX)",
     )
 
+    def round_problem(self, n: int):
+        if n < 4 * self.num_malicious + 3:  # what bulyan_select checks
+            return "num_malicious", f"bulyan needs n >= 4f + 3 updates, got n={n}, f={self.num_malicious}", self.num_malicious
+        return None
+
 
 @AGGREGATORS.register("bulyan", BulyanParams)
 def bulyan(

@@ -85,6 +85,13 @@ class TrimmedMeanParams(Params):
             raise ValueError("give beta or num_trim, not both")
         return self
 
+    def round_problem(self, n: int):
+        try:
+            trim_count(n, self.beta, self.num_trim)
+        except AggregationError as err:
+            return ("num_trim" if self.num_trim is not None else "beta"), str(err), self.num_trim or self.beta
+        return None
+
 
 @AGGREGATORS.register("trimmed_mean", TrimmedMeanParams)
 def trimmed_mean(

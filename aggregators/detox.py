@@ -202,6 +202,18 @@ class DetoxParams(Params):
         True, description="true: majority vote in groups of identical-data clients; false: group means"
     )
 
+    def round_problem(self, n: int):
+        """The inner rule's precondition on the group winners a round of n clients yields (all
+        groups surviving the vote: fewer only when attackers win, which is the defense working)."""
+        inputs = max(1, n // self.group_size)
+        if self.super_group_size is not None:
+            inputs = max(1, inputs // self.super_group_size)
+        problem = self.inner.round_problem(inputs)
+        if problem is None:
+            return None
+        param, reason, value = problem
+        return f"inner.{param}", f"detox: {n} clients make {inputs} inputs of the inner rule {self.inner.name}; {reason}", value
+
     @field_validator("group_size")
     @classmethod
     def _odd(cls, value: int) -> int:

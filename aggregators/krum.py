@@ -68,6 +68,13 @@ def multikrum_select(
 class KrumParams(Params):
     num_malicious: int = Field(1, ge=0, description="f, assumed malicious clients; needs n >= 2f+3")
 
+    def round_problem(self, n: int):
+        try:
+            check_krum_size("krum", n, self.num_malicious)
+        except AggregationError as err:
+            return "num_malicious", str(err), self.num_malicious
+        return None
+
 
 @AGGREGATORS.register("krum", KrumParams)
 def krum(updates: torch.Tensor, weights: torch.Tensor, num_malicious: int = 1) -> torch.Tensor:
@@ -87,6 +94,16 @@ class MultiKrumParams(Params):
     num_selected: int | None = Field(
         None, ge=1, description="m, lowest-score updates averaged; n - f when not given"
     )
+
+    def round_problem(self, n: int):
+        try:
+            check_krum_size("multikrum", n, self.num_malicious)
+        except AggregationError as err:
+            return "num_malicious", str(err), self.num_malicious
+        if self.num_selected is not None and self.num_selected > n:
+            return "num_selected", f"multikrum needs num_selected <= n updates, got num_selected={self.num_selected}, n={n}", \
+                self.num_selected
+        return None
 
 
 @AGGREGATORS.register("multikrum", MultiKrumParams)

@@ -41,7 +41,22 @@ def round_table(rounds: list[dict], title: str) -> Table:
     return table
 
 
+def preflight_runs(runs, source: str) -> None:
+    """`preflight` once per distinct data/model/attack of a sweep's runs (what the files decide)."""
+    from fedsim.preflight import preflight
+    from fedsim.scenario import scenario_dict
+
+    seen = set()
+    for run in runs:
+        d = scenario_dict(run.scenario)
+        key = json.dumps([d["data"], d["model"], d["attack"], d["federation"]["num_clients"], d["seed"]], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            preflight(run.scenario, f"{source} [{run.name}]")
+
+
 def cmd_validate(args) -> int:
+    from fedsim.preflight import preflight
     from fedsim.scenario import dump_scenario, load_scenario, read_yaml
 
     raw = read_yaml(args.file)
@@ -49,11 +64,13 @@ def cmd_validate(args) -> int:
         from fedsim.sweep import expand
 
         name, runs = expand(args.file, args.set)
+        preflight_runs(runs, str(args.file))
         console.print(f"sweep {name}: {len(runs)} valid runs")
         for run in runs:
             console.print(f"  {run.name}", markup=False, highlight=False)
         return 0
     scenario = load_scenario(args.file, args.set)
+    preflight(scenario, str(args.file))
     console.print(dump_scenario(scenario), markup=False, highlight=False)
     return 0
 
@@ -130,6 +147,9 @@ def cmd_run(args) -> int:
         if args.file is None:
             raise ScenarioError("fedsim run", [("FILE", "a scenario file is required (or --resume DIR)", None)])
         scenario = load_scenario(args.file, args.set)
+    from fedsim.preflight import preflight
+
+    preflight(scenario, str(args.resume or args.file))  # before any process starts, and before a run folder exists
     stop = threading.Event()
     with on_signals(stop) as signals:
         try:
@@ -212,6 +232,7 @@ def cmd_sweep(args) -> int:
     from fedsim.sweep import expand, is_done, prepare, run_sweep, sweep_dir
 
     name, runs = expand(args.file, args.set)
+    preflight_runs(runs, str(args.file))
     folder = sweep_dir(name, runs, args.output)
     todo = [r for r in runs if not is_done(folder / r.name)]
     console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}")

@@ -15,9 +15,16 @@ from pydantic import BaseModel, ConfigDict, create_model
 
 
 class Params(BaseModel):
-    """Base class of every component's parameter model: unknown keys are errors."""
+    """Base class of every component's parameter model: unknown keys and non-finite numbers are errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    def round_problem(self, n: int) -> tuple[str, str, Any] | None:
+        """For an aggregator: why a round of `n` updates could not be aggregated with these
+        parameters, as (parameter, reason, value), or None. Checked against
+        `federation.clients_per_round` at validation, so no scenario validates whose every round
+        would be skipped. Rules with preconditions on n override it with the check they run."""
+        return None
 
 
 @dataclass(frozen=True)

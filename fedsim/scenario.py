@@ -8,17 +8,22 @@ Unknown keys are errors everywhere. `load_scenario` reads a file with `yaml.safe
 """
 
 import functools
+import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from fedsim.registry import AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, Registry
 
 
+MAX_CLIENTS = 1_000_000  # registered clients a scenario may name (far beyond what one machine simulates)
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: `.inf`/`.nan` learning rates, weight decays, CPU shares... are refused
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 def _name_shorthand(default: str | None, value: Any) -> Any:
@@ -46,8 +51,8 @@ def _none_registered(kind: str, value: Any) -> Any:
 
 
 class FederationSection(Section):
-    num_clients: int = Field(20, ge=1, description="registered clients (one partition each)")
-    clients_per_round: int = Field(10, ge=1)
+    num_clients: int = Field(20, ge=1, le=MAX_CLIENTS, description="registered clients (one partition each)")
+    clients_per_round: int = Field(10, ge=1, le=MAX_CLIENTS, description="clients sampled per round (<= num_clients)")
     rounds: int = Field(15, ge=1)
     local_epochs: int = Field(2, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -131,40 +136,69 @@ class OutputSection(Section):
     checkpoints: bool = Field(True, description="save server and client state every round, so `--resume` works")
 
 
-def fedma_conflicts(sc) -> None:
+def fedma_conflicts(sc) -> list[tuple[str, str, Any]]:
     """Settings FedMA's layer-wise matching cannot work with, refused before anything runs."""
     from fedsim.models.nets import RESIZABLE
     from fedsim.registry import ATTACKS
 
     both = "aggregator.name=fedma"
+    out = []
     if sc.lowrank is not None:
-        raise ValueError(f"{both} matches the neurons of full layers; lowrank.name={sc.lowrank.name} factorizes them: drop one")
+        out.append(("lowrank", f"{both} matches the neurons of full layers; lowrank.name={sc.lowrank.name} factorizes them: drop one",
+                    sc.lowrank.name))
     if sc.compression.name != "none":
-        raise ValueError(
-            f"{both} uploads whole layers whose width changes every exchange; compression.name={sc.compression.name} "
-            "encodes fixed-shape model updates: set compression to none"
-        )
+        out.append(("compression", f"{both} uploads whole layers whose width changes every exchange; compression.name="
+                    f"{sc.compression.name} encodes fixed-shape model updates: set compression to none", sc.compression.name))
     if sc.defenses:
-        raise ValueError(
-            f"{both} aggregates layers of varying width, not [n, d] updates; defenses={[d.name for d in sc.defenses]} "
-            "need the latter: remove them"
-        )
+        out.append(("defenses", f"{both} aggregates layers of varying width, not [n, d] updates; defenses="
+                    f"{[d.name for d in sc.defenses]} need the latter: remove them", [d.name for d in sc.defenses]))
     if sc.model.name not in RESIZABLE:
-        raise ValueError(f"{both} grows hidden layers; model.name={sc.model.name} cannot be resized (allowed: {list(RESIZABLE)})")
+        out.append(("model", f"{both} grows hidden layers; model.name={sc.model.name} cannot be resized (allowed: {list(RESIZABLE)})",
+                    sc.model.name))
     if sc.attack is not None:
         attack = ATTACKS.get(sc.attack.name).obj(sc.attack)
         if attack.side != "client" or not attack.poisons_data_only():
             mode = getattr(sc.attack, "mode", None)
             what = f"attack.name={sc.attack.name}" + (f" (mode {mode})" if mode else "")
-            raise ValueError(
-                f"{both} supports data-poisoning attackers only; {what} needs the [n, d] update protocol "
-                "(server-side crafting, PGD projection or update scaling)"
-            )
+            out.append(("attack", f"{both} supports data-poisoning attackers only; {what} needs the [n, d] update protocol "
+                        "(server-side crafting, PGD projection or update scaling)", sc.attack.name))
     if sc.aggregator.local_init and (sc.init.checkpoint or sc.init.pretrain_epochs):
-        raise ValueError(
-            "aggregator.local_init=true starts every client from its own initialisation, so init.checkpoint / "
-            "init.pretrain_epochs would be ignored: set aggregator.local_init=false to start from them"
-        )
+        out.append(("aggregator.local_init", "aggregator.local_init=true starts every client from its own initialisation, so "
+                    "init.checkpoint / init.pretrain_epochs would be ignored: set aggregator.local_init=false to start from them",
+                    True))
+    return out
+
+
+def consistency_problems(sc) -> list[tuple[str, str, Any]]:
+    """What each section allows alone but the scenario as a whole cannot run: every scenario that
+    validates must be able to aggregate a round (field path, message naming both settings, value)."""
+    fed, out = sc.federation, []
+    if fed.clients_per_round > fed.num_clients:
+        out.append(("federation.clients_per_round",
+                    f"exceeds federation.num_clients={fed.num_clients}: a round cannot sample more clients than exist",
+                    fed.clients_per_round))
+    if fed.min_replies > fed.clients_per_round:
+        out.append(("federation.min_replies",
+                    f"exceeds federation.clients_per_round={fed.clients_per_round}: every round would be skipped",
+                    fed.min_replies))
+    problem = sc.aggregator.round_problem(min(fed.clients_per_round, fed.num_clients))
+    if problem:
+        out.append((f"aggregator.{problem[0]}" if problem[0] else "aggregator",
+                    f"{problem[1]} (federation.clients_per_round={fed.clients_per_round}): every round would be skipped",
+                    problem[2]))
+    if sc.attack is not None:
+        try:
+            sc.attack.resolve_attackers(fed.num_clients, sc.seed)
+        except ValueError as err:
+            out.append(("attack", str(err), sc.attack.attacker_ids if sc.attack.attacker_ids is not None else sc.attack.num_attackers))
+    if sc.aggregator.name == "fedma":
+        out += fedma_conflicts(sc)
+    if sc.lowrank is not None:
+        stateful = [d.name for d in sc.defenses if d.name == "foolsgold"]
+        if stateful:
+            out.append(("lowrank", f"lowrank.name={sc.lowrank.name} changes the model's layers mid-run, which defenses={stateful} "
+                        "cannot follow (their per-layer history would no longer fit); drop one of the two", sc.lowrank.name))
+    return out
 
 
 def build_scenario_model() -> type[BaseModel]:
@@ -196,26 +230,6 @@ def build_scenario_model() -> type[BaseModel]:
         evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
         output: OutputSection = Field(default_factory=OutputSection)
 
-        @model_validator(mode="after")
-        def _consistent(self):
-            fed = self.federation
-            if fed.clients_per_round > fed.num_clients:
-                raise ValueError(
-                    f"federation.clients_per_round={fed.clients_per_round} exceeds federation.num_clients={fed.num_clients}"
-                )
-            if self.attack is not None:
-                self.attack.resolve_attackers(fed.num_clients, self.seed)
-            if self.aggregator.name == "fedma":
-                fedma_conflicts(self)
-            if self.lowrank is not None:
-                stateful = [d.name for d in self.defenses if d.name == "foolsgold"]
-                if stateful:
-                    raise ValueError(
-                        f"lowrank.name={self.lowrank.name} changes the model's layers mid-run, which defenses={stateful} "
-                        "cannot follow (their per-layer history would no longer fit); drop one of the two"
-                    )
-            return self
-
     return Scenario
 
 
@@ -229,9 +243,23 @@ class ScenarioError(ValueError):
 
     def __init__(self, source: str, problems: list[tuple[str, str, Any]]) -> None:
         self.source, self.problems = source, problems
-        lines = [f"{source}: {len(problems)} problem(s)"]
-        lines += [f"  {path}: {msg} (got {value!r})" for path, msg, value in problems]
+        lines = [f"{excerpt(source, 200)}: {len(problems)} problem(s)"]
+        lines += [f"  {excerpt(path, 200)}: {excerpt(msg, 2000)} (got {excerpt(value)})" for path, msg, value in problems[:MAX_PROBLEMS]]
+        if len(problems) > MAX_PROBLEMS:
+            lines.append(f"  ... and {len(problems) - MAX_PROBLEMS} more")
         super().__init__("\n".join(lines))
+
+
+MAX_PROBLEMS = 50
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 3, 6, 6, 80, 80
+
+
+def excerpt(value: Any, limit: int = 120) -> str:
+    """A bounded rendering of a (possibly huge, deeply nested or alias-expanded) value for an error
+    message: never more than `limit` characters, whatever the value is."""
+    text = value if isinstance(value, str) and limit > 120 else _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _problems(err: ValidationError) -> list[tuple[str, str, Any]]:
@@ -266,7 +294,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ScenarioError("--set", [(key, f"{part} is not a section", node)])
-        node[parts[-1]] = parse_value(value)
+        try:
+            parsed = parse_value(value)
+        except yaml.YAMLError as err:
+            raise ScenarioError("--set", [(key, f"not a YAML value: {excerpt(str(err), 300)}", value)]) from None
+        check_size(parsed, "--set")
+        node[parts[-1]] = parsed
     return raw
 
 
@@ -274,20 +307,71 @@ def validate_scenario(raw: Any, source: str = "<scenario>"):
     if not isinstance(raw, dict):
         raise ScenarioError(source, [("<top>", "a scenario must be a mapping of sections", raw)])
     try:
-        return scenario_model().model_validate(raw)
+        scenario = scenario_model().model_validate(raw)
     except ValidationError as err:
         raise ScenarioError(source, _problems(err)) from None
+    except RecursionError:
+        raise ScenarioError(source, [("<file>", f"nested deeper than {MAX_DEPTH} levels", None)]) from None
+    problems = consistency_problems(scenario)
+    if problems:
+        raise ScenarioError(source, problems)
+    return scenario
+
+
+MAX_FILE_BYTES = 1 << 20  # a scenario is a page of YAML; 1 MiB leaves room for generated sweeps
+MAX_DEPTH = 40  # nesting of mappings and lists
+MAX_VALUES = 100_000  # values after YAML aliases are expanded (an alias bomb expands to billions)
 
 
 def read_yaml(path: str | Path) -> dict:
+    """A scenario file as plain data, refusing anything that could hang or crash what reads it next:
+    non-files, over MAX_FILE_BYTES, not UTF-8, not YAML, nested deeper than MAX_DEPTH, or
+    expanding (through aliases) to more than MAX_VALUES values."""
     path = Path(path)
+
+    def bad(msg: str, value: Any = str(path)) -> ScenarioError:
+        return ScenarioError(str(path), [("<file>", msg, value)])
+
     try:
-        raw = yaml.safe_load(path.read_text())
+        if path.is_dir():
+            raise bad("is a directory, not a scenario file")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise ScenarioError(str(path), [("<file>", "no such file", str(path))]) from None
+        raise bad("no such file") from None
+    except OSError as err:
+        raise bad(f"cannot read: {err.strerror or err}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise bad(f"larger than {MAX_FILE_BYTES // 1024} KiB; a scenario file is a page of YAML")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise bad(f"not UTF-8 text (byte {err.start}); save it as UTF-8", data[:16]) from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ScenarioError(str(path), [("<file>", f"not valid YAML: {err}", None)]) from None
+        raise bad(f"not valid YAML: {excerpt(str(err), 500)}", None) from None
+    except RecursionError:
+        raise bad(f"nested deeper than {MAX_DEPTH} levels", None) from None
+    check_size(raw, str(path))
     return {} if raw is None else raw
+
+
+def check_size(raw: Any, source: str) -> None:
+    """Refuse data nested deeper than MAX_DEPTH or holding more than MAX_VALUES values once YAML
+    aliases are expanded; stops counting at the limit, so the check itself is bounded."""
+    count, stack = 0, [(raw, 0)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ScenarioError(source, [("<file>", f"expands to more than {MAX_VALUES} values (YAML aliases?)", None)])
+        if depth > MAX_DEPTH:
+            raise ScenarioError(source, [("<file>", f"nested deeper than {MAX_DEPTH} levels", None)])
+        if isinstance(node, dict):
+            stack += [(k, depth + 1) for k in node] + [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1) for v in node]
 
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None):

@@ -37,11 +37,26 @@ class SweepRun:
     scenario: Any
 
 
+MAX_RUNS = 10_000  # combinations a sweep may expand to (each is validated, then run)
+
+
+def _json(value: Any) -> str:
+    """Sorted JSON of a YAML value; keys of mixed types (YAML allows them) are compared as text."""
+    try:
+        return json.dumps(value, sort_keys=True, default=str)
+    except TypeError:
+        def text_keys(v):
+            if isinstance(v, dict):
+                return {str(k): text_keys(x) for k, x in v.items()}
+            return [text_keys(x) for x in v] if isinstance(v, list) else v
+        return json.dumps(text_keys(value), sort_keys=True, default=str)
+
+
 def _token(value: Any) -> str:
-    """A short, file-name-safe rendering of a swept value."""
+    """A short, file-name-safe rendering of a swept value (any YAML value: keys and names need not be strings)."""
     if isinstance(value, dict):
-        text = value.get("name", json.dumps(value, sort_keys=True))
-        extra = {k: v for k, v in value.items() if k != "name"}
+        text = str(value["name"]) if "name" in value else _json(value)[:60]
+        extra = {str(k): v for k, v in value.items() if k != "name"}
         if extra:
             text += "-" + "-".join(f"{k}{_token(v)}" for k, v in sorted(extra.items()))
     elif isinstance(value, list):
@@ -54,11 +69,14 @@ def _token(value: Any) -> str:
 def _set(raw: dict, key: str, value: Any) -> None:
     """Set a dotted key to a (structured) value, like `--set` does for text values."""
     node = raw
-    parts = key.split(".")
-    for part in parts[:-1]:
+    parts = str(key).split(".")
+    for i, part in enumerate(parts[:-1]):
         if isinstance(node.get(part), str):
             node[part] = {"name": node[part]}
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            where = ".".join(parts[: i + 1])
+            raise ScenarioError("sweep", [(f"sweep.{key}", f"{where} is a {type(node).__name__}, not a section", node)])
     node[parts[-1]] = copy.deepcopy(value)
 
 
@@ -83,11 +101,17 @@ def expand(path: str | Path, overrides: list[str] | None = None) -> tuple[str, l
     if not isinstance(raw, dict) or not isinstance(raw.get("sweep"), dict) or not raw["sweep"]:
         raise ScenarioError(str(path), [("sweep", "a sweep file needs a `sweep:` mapping of KEY: [values]", raw.get("sweep") if isinstance(raw, dict) else raw)])
     grid = raw.pop("sweep")
-    bad = [(f"sweep.{k}", "each swept key needs a non-empty list of values", v) for k, v in grid.items() if not isinstance(v, list) or not v]
+    bad = [(f"sweep.{k}", "swept keys are dotted scenario paths (text)", k) for k in grid if not isinstance(k, str)]
+    bad += [(f"sweep.{k}", "each swept key needs a non-empty list of values", v) for k, v in grid.items() if not isinstance(v, list) or not v]
     if bad:
         raise ScenarioError(str(path), bad)
     raw = apply_overrides(raw, list(overrides or []))
     keys = list(grid)
+    total = 1
+    for k in keys:
+        total *= len(grid[k])
+        if total > MAX_RUNS:
+            raise ScenarioError(str(path), [("sweep", f"expands to more than {MAX_RUNS} runs; split the grid", {k: len(grid[k]) for k in keys})])
     runs, problems = [], []
     for combo in itertools.product(*(grid[k] for k in keys)):
         values = dict(zip(keys, combo))
@@ -115,7 +139,7 @@ def prepare(run: SweepRun, folder: Path) -> Path:
     run_dir = folder / run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "scenario.yaml").write_text(dump_scenario(run.scenario))
-    (run_dir / "sweep.json").write_text(json.dumps(run.values, sort_keys=True) + "\n")
+    (run_dir / "sweep.json").write_text(_json(run.values) + "\n")
     return run_dir
 
 

@@ -48,8 +48,10 @@ def test_literal_lists_allowed_values():
 
 
 def test_cross_field_checks():
-    assert "exceeds" in problems({"federation": {"num_clients": 5, "clients_per_round": 6}})["<top>"]
-    assert "not client ids" in problems({"attack": {"name": "edge_case", "attacker_ids": [25]}})["<top>"]
+    # a field path and both settings, not "<top>: Value error" and the whole raw scenario (#16 item 3)
+    got = problems({"federation": {"num_clients": 5, "clients_per_round": 6}})
+    assert set(got) == {"federation.clients_per_round"} and "federation.num_clients=5" in got["federation.clients_per_round"]
+    assert "not client ids" in problems({"attack": {"name": "edge_case", "attacker_ids": [25]}})["attack"]
     assert "angle_range" in problems({"attack": {"name": "edge_case", "edge_set": {"name": "tail", "angle_range": [90, 30]}}})[
         "attack.edge_case.edge_set.tail"
     ]
@@ -93,3 +95,68 @@ def test_cli_validate_lists_errors_without_traceback(tmp_path, capsys):
 def test_cli_validate_prints_resolved(capsys):
     assert main(["validate", "scenarios/quickstart.yaml", "--set", "federation.rounds=4"]) == 0
     assert "rounds: 4" in capsys.readouterr().out
+
+
+# --- #16 items 12-14: scenarios that validate can run a round; files that cannot hang or crash ----
+@pytest.mark.parametrize("raw,path,needle", [
+    ({"federation": {"min_replies": 11}}, "federation.min_replies", "clients_per_round=10"),
+    ({"aggregator": {"name": "multikrum", "num_selected": 11}}, "aggregator.num_selected", "num_selected <= n"),
+    ({"aggregator": {"name": "trimmed_mean", "num_trim": 5}}, "aggregator.num_trim", "remove every value"),
+    ({"aggregator": {"name": "krum", "num_malicious": 4}}, "aggregator.num_malicious", "2f + 3"),
+    ({"aggregator": {"name": "multikrum", "num_malicious": 4}}, "aggregator.num_malicious", "2f + 3"),
+    ({"aggregator": {"name": "bulyan", "num_malicious": 2}}, "aggregator.num_malicious", "4f + 3"),
+    ({"aggregator": {"name": "detox", "inner": {"name": "krum", "num_malicious": 1}}}, "aggregator.inner.num_malicious", "3 inputs"),
+    ({"federation": {"lr": float("inf")}}, "federation.lr", "finite"),
+    ({"federation": {"weight_decay": float("inf")}}, "federation.weight_decay", "finite"),
+    ({"federation": {"client_cpus": float("inf")}}, "federation.client_cpus", "finite"),
+    ({"defenses": [{"name": "norm_clipping", "delta": float("nan")}]}, "defenses.0.norm_clipping.delta", "finite"),
+    ({"federation": {"num_clients": 10**30}, "attack": "edge_case"}, "federation.num_clients", "less than or equal"),
+])
+def test_dead_on_arrival_scenarios_are_refused(raw, path, needle):
+    got = problems(raw)
+    assert path in got and needle in got[path], got
+
+
+def test_rules_that_fit_the_round_still_validate():
+    for agg in ({"name": "krum", "num_malicious": 3}, {"name": "bulyan", "num_malicious": 1},
+                {"name": "trimmed_mean", "num_trim": 4}, {"name": "detox", "inner": "median"}):
+        validate_scenario({"aggregator": agg})  # 10 clients per round: n = 2*3+3+1, 4*1+3+3, 10-2*4 >= 1
+
+
+def test_huge_attacker_counts_are_refused_quickly():
+    got = problems({"federation": {"num_clients": 10**6}, "attack": {"name": "edge_case", "num_attackers": 10**8}})
+    assert "attack" in got and "num_attackers" in got["attack"]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("name: x\n".encode("utf-16"), "not UTF-8"),
+    (b"name: \xff\xfe bad\n", "not UTF-8"),
+    (("a: " + "[" * 1000 + "]" * 1000 + "\n").encode(), "nested deeper"),
+    (b"a: &a [1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+     b"d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\nf: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\n"
+     b"g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]\nh: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]\ncolour: [*h,*h,*h,*h,*h,*h,*h,*h,*h]\n",
+     "more than"),
+    (b"x" * (2 << 20), "larger than"),
+])
+def test_hostile_files_are_refused_without_traceback_or_hang(tmp_path, capsys, content, needle):
+    import time
+
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(content)
+    t0 = time.monotonic()
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and time.monotonic() - t0 < 5 and len(err) < 5000
+
+
+def test_a_directory_and_a_huge_name_are_refused_briefly(tmp_path, capsys):
+    import time
+
+    assert main(["validate", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    path = tmp_path / "long.yaml"
+    path.write_text("name: " + "x" * 100_000 + "!\n")
+    t0 = time.monotonic()
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "name" in err and len(err) < 2000 and time.monotonic() - t0 < 5

@@ -66,6 +66,7 @@ from fedsim.engine.allocator import apply_to_this_process, in_child_environment 
 from fedsim.engine.interrupt import RunStopped  # noqa: E402
 from fedsim.engine.options import EngineOptions  # noqa: E402
 from fedsim.engine.ray_actor import CompactClientApp, client_actor_class  # noqa: E402
+from fedsim.preflight import preflight  # noqa: E402
 from fedsim.results import new_run_dir  # noqa: E402
 from fedsim.scenario import dump_scenario  # noqa: E402
 from fedsim.server_app import make_server_app  # noqa: E402
@@ -295,6 +296,7 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     from flwr.simulation import run_simulation
 
     quiet_logs(verbose)
+    preflight(scenario)  # the data, edge sets and model, before Ray starts (cached for the server)
     if options.malloc_settings:
         apply_to_this_process()
     if run_dir is None:

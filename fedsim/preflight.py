@@ -1,0 +1,59 @@
+"""Checks that need the data, made before any process starts (`fedsim validate`, `fedsim run`,
+`fedsim sweep`): a missing dataset used to surface only after Ray had started, leaving a run
+folder with nothing in it.
+
+The schema (fedsim/scenario.py) checks what the YAML alone decides; this checks what the files
+decide: the dataset and the edge-case sets can be read, the partitioner can split the data as
+asked, and the model takes the dataset's inputs and gives one output per class. It does the work
+through the process's `Runtime` (fedsim/runtime.py), which caches it: the server that runs next
+in this process loads nothing twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fedsim.data.base import DataFileError
+from fedsim.scenario import ScenarioError
+
+
+def preflight(scenario, source: str = "<scenario>") -> None:
+    """Raise ScenarioError (field path, reason, value) if `scenario` cannot start with the files at hand."""
+    from fedsim.runtime import runtime_for
+
+    rt = runtime_for(scenario)
+    problems = []
+    try:
+        data = rt.data
+    except DataFileError as err:
+        raise ScenarioError(source, [("data.dataset", str(err), scenario.data.dataset.name)]) from None
+    try:
+        rt.partitions
+    except (ValueError, RuntimeError) as err:  # e.g. Dirichlet cannot give every client min_partition_size
+        problems.append(("data.partition", f"cannot split {data.name} ({len(data.y_train)} examples) into "
+                         f"{scenario.federation.num_clients} partitions: {err}", scenario.data.partition.name))
+    problems += model_problems(rt, data)
+    if scenario.attack is not None and rt.attack is not None:
+        try:
+            rt.attack.backdoor_test_set(rt)  # reads and builds the edge-case / trigger sets
+        except (DataFileError, ValueError) as err:
+            field = "attack.edge_set" if hasattr(scenario.attack, "edge_set") else "attack"
+            problems.append((field, str(err), scenario.attack.name))
+    if problems:
+        raise ScenarioError(source, problems)
+
+
+def model_problems(rt, data) -> list[tuple[str, str, object]]:
+    """The model applied to one input of the dataset: it must run and give one score per class."""
+    name = rt.scenario.model.name
+    try:
+        model = rt.build_model(None)
+        model.eval()
+        with torch.no_grad():
+            out = model(torch.from_numpy(data.x_test[:1].copy() if len(data.x_test) else data.x_train[:1].copy()))
+    except (RuntimeError, ValueError) as err:
+        return [("model", f"{name} cannot take {data.name}'s inputs of shape {list(data.input_shape)}: "
+                 f"{str(err).splitlines()[0]}", name)]
+    if tuple(out.shape) != (1, data.num_classes):
+        return [("model", f"{name} gives {list(out.shape[1:])} outputs for {data.name}'s {data.num_classes} classes", name)]
+    return []

@@ -1,0 +1,43 @@
+"""Sweep files that used to crash or hang `fedsim validate` / `fedsim sweep` (#16 items 12, 13):
+each is refused with its field path, quickly and without a traceback."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from fedsim.cli import main
+from fedsim.sweep import MAX_RUNS, expand
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = "base: {base}\nfederation: {{rounds: 1}}\n"
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("sweep:\n  federation.rounds.deeper: [1, 2]\n", "is a int, not a section"),
+    ("sweep:\n  seed.x: [1]\n", "not a section"),
+    ("sweep:\n  1: [1, 2]\n", "swept keys are dotted scenario paths"),
+    ("sweep:\n  federation.rounds: 3\n", "non-empty list"),
+    ("x: &x [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]\nsweep: {seed: *x, federation.rounds: *x, federation.lr_decay: *x, "
+     "evaluation.every: *x, federation.local_epochs: *x, federation.batch_size: *x}\n", f"more than {MAX_RUNS} runs"),
+])
+def test_bad_sweeps_are_refused(tmp_path, capsys, body, needle):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(BASE.format(base=REPO / "scenarios/quickstart.yaml") + body)
+    t0 = time.monotonic()
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and time.monotonic() - t0 < 10, err
+
+
+def test_values_with_odd_names_and_keys_still_make_run_names(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(BASE.format(base=REPO / "scenarios/quickstart.yaml")
+                    + "sweep:\n  defenses: [[], [{name: norm_clipping, delta: 1.0}]]\n  seed: [0, 1]\n")
+    name, runs = expand(path)
+    assert len(runs) == 4 and len({r.name for r in runs}) == 4
+    from fedsim.sweep import _token
+
+    assert _token({"name": 3, 7: "x"}) == "3-7x" and _token({1: {2: 3}})
