@@ -6,10 +6,10 @@ Flower import; each registers itself in `fedsim.registry.AGGREGATORS` with its p
 A rule that cannot run on the given n (e.g. Krum needs n >= 2f + 3) raises `AggregationError`.
 """
 
-from aggregators.base import AggregationError
-from aggregators import fedavg  # noqa: F401  (registers)
-from aggregators import krum, coordinate, bulyan, rfa  # noqa: F401  (register)
-from aggregators import detox  # noqa: F401  (registers; nests the rules above)
-from aggregators import fedma  # noqa: F401  (registers the layer-wise FedMA protocol)
+from fedsim.aggregators.base import AggregationError
+from fedsim.aggregators import fedavg  # noqa: F401  (registers)
+from fedsim.aggregators import krum, coordinate, bulyan, rfa  # noqa: F401  (register)
+from fedsim.aggregators import detox  # noqa: F401  (registers; nests the rules above)
+from fedsim.aggregators import fedma  # noqa: F401  (registers the layer-wise FedMA protocol)
 
 __all__ = ["AggregationError"]

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from aggregators.base import AggregationError, check_inputs
-from aggregators.columns import reduce_column_blocks
-from aggregators.coordinate import median_columns
-from aggregators.distances import pairwise_sq_distances
-from aggregators.krum import lowest_scores, scores_from_distances
+from fedsim.aggregators.base import AggregationError, check_inputs
+from fedsim.aggregators.columns import reduce_column_blocks
+from fedsim.aggregators.coordinate import median_columns
+from fedsim.aggregators.distances import pairwise_sq_distances
+from fedsim.aggregators.krum import lowest_scores, scores_from_distances
 from fedsim.registry import AGGREGATORS, Params
 
 Selection = Literal["krum", "multikrum", "krum_single_pass"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field, model_validator
 
-from aggregators.base import AggregationError, check_inputs
-from aggregators.columns import reduce_column_blocks
+from fedsim.aggregators.base import AggregationError, check_inputs
+from fedsim.aggregators.columns import reduce_column_blocks
 from fedsim.registry import AGGREGATORS, Params
 
 DEFAULT_TRIM_FRACTION = 0.2  # Flower's FedTrimmedAvg default

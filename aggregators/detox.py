@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field, SerializeAsAny, field_validator
 
-from aggregators.base import AggregationError, check_inputs, vector_rule_names
+from fedsim.aggregators.base import AggregationError, check_inputs, vector_rule_names
 from fedsim.registry import AGGREGATORS, Params
 
 DEFAULT_INNER = "multikrum"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aggregators.base import AggregationError, check_inputs
+from fedsim.aggregators.base import AggregationError, check_inputs
 from fedsim.registry import AGGREGATORS, Params
 
 

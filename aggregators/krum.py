@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from aggregators.base import AggregationError, check_inputs
-from aggregators.distances import pairwise_sq_distances
+from fedsim.aggregators.base import AggregationError, check_inputs
+from fedsim.aggregators.distances import pairwise_sq_distances
 from fedsim.registry import AGGREGATORS, Params
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from aggregators.base import AggregationError, check_inputs
+from fedsim.aggregators.base import AggregationError, check_inputs
 from fedsim.registry import AGGREGATORS, Params
 
 

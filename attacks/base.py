@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from attacks.schedules import FixedFrequency, Schedule
+from fedsim.attacks.schedules import FixedFrequency, Schedule
 from fedsim.registry import Params
 from fedsim.updates import RoundContext
 

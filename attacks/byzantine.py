@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from attacks.base import AttackParams, ServerAttack
+from fedsim.attacks.base import AttackParams, ServerAttack
 from fedsim.registry import ATTACKS
 from fedsim.updates import RoundContext
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from attacks.base import AttackParams, ClientAttack
+from fedsim.attacks.base import AttackParams, ClientAttack
 from fedsim.data.edge import ArdisEdge, EdgeSpec, SouthwestEdge, TailEdge, build_ardis, build_southwest, build_tail
 from fedsim.registry import ATTACKS
 

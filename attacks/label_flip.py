@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from attacks.trigger import PartitionPoisoner, PoisonParams, check_class
+from fedsim.attacks.trigger import PartitionPoisoner, PoisonParams, check_class
 from fedsim.registry import ATTACKS
 
 

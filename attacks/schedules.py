@@ -19,6 +19,8 @@ from fedsim.registry import Params
 
 
 class FixedFrequency(Params):
+    """Attack of the Tails' fixed-freq: from round `first`, every `every` rounds attackers replace sampled clients."""
+
     name: Literal["fixed_frequency"] = "fixed_frequency"
     every: int = Field(10, ge=1, description="attack every k rounds")
     first: int = Field(1, ge=1, description="first attack round")
@@ -29,6 +31,8 @@ class FixedFrequency(Params):
 
 
 class EveryRound(Params):
+    """Attackers replace sampled clients in every round."""
+
     name: Literal["every_round"] = "every_round"
     attackers_per_round: int = Field(1, ge=1)
 
@@ -37,6 +41,8 @@ class EveryRound(Params):
 
 
 class ExplicitRounds(Params):
+    """Attackers replace sampled clients in the listed rounds only."""
+
     name: Literal["rounds"] = "rounds"
     rounds: list[int] = Field(min_length=1)
     attackers_per_round: int = Field(1, ge=1)
@@ -52,6 +58,8 @@ class ExplicitRounds(Params):
 
 
 class FixedPool(Params):
+    """Attack of the Tails' fixed-pool: clients sampled uniformly from all; every sampled attacker attacks."""
+
     name: Literal["fixed_pool"] = "fixed_pool"
 
     def is_attack_round(self, rnd: int) -> bool:

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from attacks.base import AttackParams, ClientAttack
-from attacks.edge_case import replacement_factor
+from fedsim.attacks.base import AttackParams, ClientAttack
+from fedsim.attacks.edge_case import replacement_factor
 from fedsim.registry import ATTACKS
 
 Scale = Union[Annotated[float, Field(gt=0)], Literal["auto"]]

@@ -22,7 +22,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from aggregators.krum import scores_from_distances  # noqa: E402
+from fedsim.aggregators.krum import scores_from_distances  # noqa: E402
 from fedsim.registry import AGGREGATORS  # noqa: E402
 
 # Rules that take any batch of updates (DETOX needs redundant groups: benchmarks/detox.py).

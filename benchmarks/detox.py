@@ -23,8 +23,8 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 
 import torch  # noqa: E402
 
-from aggregators.detox import consecutive_groups, detox, majority_vote  # noqa: E402
-from aggregators.krum import multikrum  # noqa: E402
+from fedsim.aggregators.detox import consecutive_groups, detox, majority_vote  # noqa: E402
+from fedsim.aggregators.krum import multikrum  # noqa: E402
 
 GROUP_SIZE = 3
 

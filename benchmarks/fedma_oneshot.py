@@ -22,7 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from aggregators.fedma import average_last_layer, bbp_map_match  # noqa: E402
+from fedsim.aggregators.fedma import average_last_layer, bbp_map_match  # noqa: E402
 from fedsim.fedma_arch import state_of  # noqa: E402
 from fedsim.fedma_client import arch_for, class_counts  # noqa: E402
 from fedsim.runtime import runtime_for  # noqa: E402

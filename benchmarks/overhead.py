@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
-from attacks.schedules import sample_round  # noqa: E402
+from fedsim.attacks.schedules import sample_round  # noqa: E402
 from fedsim.client_app import make_client_app  # noqa: E402
 from fedsim.results import read_rounds  # noqa: E402
 from fedsim.runtime import Runtime  # noqa: E402

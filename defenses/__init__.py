@@ -1,6 +1,6 @@
 """Defenses applied around aggregation; each registers itself in `fedsim.registry.DEFENSES`."""
 
-from defenses.base import Defense, RoundContext, UpdateBatch
-from defenses import clipping, flame, foolsgold  # noqa: F401  (registers)
+from fedsim.defenses.base import Defense, RoundContext, UpdateBatch
+from fedsim.defenses import clipping, flame, foolsgold  # noqa: F401  (registers)
 
 __all__ = ["Defense", "RoundContext", "UpdateBatch"]

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from defenses.base import Defense
-from defenses.clipping import clip_log, clip_rows, gaussian_like
+from fedsim.defenses.base import Defense
+from fedsim.defenses.clipping import clip_log, clip_rows, gaussian_like
 from fedsim.registry import DEFENSES, Params
 from fedsim.updates import RoundContext, UpdateBatch
 

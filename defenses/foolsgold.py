@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from defenses.base import Defense
+from fedsim.defenses.base import Defense
 from fedsim.registry import DEFENSES, Params
 from fedsim.updates import RoundContext, UpdateBatch
 

@@ -22,10 +22,27 @@ def _fmt(value, pct: bool = False) -> str:
     return f"{100 * value:.1f}%" if pct else f"{value}"
 
 
+def print_wide(renderable) -> None:
+    """Print without cutting columns: a console that is not a terminal (CI logs, `| tee`) is taken
+    as 80 columns wide by rich, which ellipsizes a table ("backdo…"); give it the table's width."""
+    from rich.measure import Measurement
+
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    width, narrow = console.width, console.width
+    width = max(width, min(Measurement.get(console, console.options.update_width(400), renderable).maximum, 400))
+    console.width = width  # print(width=...) would be capped at the console's width
+    try:
+        console.print(renderable)
+    finally:
+        console.width = narrow
+
+
 def round_table(rounds: list[dict], title: str) -> Table:
     table = Table(title=title)
     for col in ("round", "acc", "backdoor", "loss", "attackers", "rejected", "MB up", "MB down", "s"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for r in rounds:
         table.add_row(
             str(r["round"]),
@@ -91,42 +108,107 @@ def param_defaults(params) -> str:
     return ", ".join(parts)
 
 
-def component_table_markdown() -> str:
-    """The README's component table, generated from the registries."""
+def option_sets() -> dict[str, list]:
+    """Choices that are pydantic unions inside a component rather than registries of their own:
+    attack schedules, edge-case sets, low-rank schemes. {kind: [parameter model, ...]}."""
+    import typing
+
+    from fedsim.attacks.schedules import Schedule
+    from fedsim.data.edge import EdgeSpec
+    from fedsim.scenario import Cuttlefish, Pufferfish
+
+    def members(annotated) -> list:
+        return list(typing.get_args(typing.get_args(annotated)[0]))
+
+    return {"schedule": members(Schedule), "edge set": members(EdgeSpec), "lowrank": [Pufferfish, Cuttlefish]}
+
+
+def first_sentence(doc: str | None) -> str:
+    """A docstring's first sentence, joined across its wrapped lines."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return paragraph.split(". ")[0].rstrip(".") + "."
+
+
+def listing() -> dict[str, list[tuple[str, str, str]]]:
+    """{kind: [(YAML name, parameters with defaults, one-line summary)]} of everything a scenario can name."""
     from fedsim.registry import ALL
 
+    out = {kind: [(e.name, param_defaults(e.params), e.summary) for e in ALL[kind].entries()] for kind in sorted(ALL)}
+    for kind, models in option_sets().items():
+        out[kind] = [(m.model_fields["name"].default, param_defaults(m), first_sentence(m.__doc__)) for m in models]
+    return out
+
+
+def component_table_markdown() -> str:
+    """The README's component table, generated from the registries and the option sets."""
     lines = ["| kind | YAML name | parameters (default) | what it is |", "|---|---|---|---|"]
-    for kind in sorted(ALL):
-        for entry in ALL[kind].entries():
-            params = param_defaults(entry.params).replace("|", "\\|") or "-"
-            lines.append(f"| {kind} | `{entry.name}` | {params} | {entry.summary.replace('|', '/')} |")
+    for kind, rows in listing().items():
+        for name, params, summary in rows:
+            params = params.replace("|", "\\|") or "-"
+            lines.append(f"| {kind} | `{name}` | {params} | {summary.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
-def cmd_list(args) -> int:
-    from fedsim.registry import ALL
+def scenario_list_markdown() -> str:
+    """The README's list of ready scenarios, generated from scenarios/."""
+    from fedsim.scenario_files import ready_scenarios
 
+    return "".join(f"- `{path}`: {what}\n" for path, what in ready_scenarios())
+
+
+def replace_between(text: str, tag: str, body: str) -> str:
+    head, rest = text.split(f"<!-- {tag}:start -->\n", 1)
+    tail = rest.split(f"<!-- {tag}:end -->", 1)[1]
+    return head + f"<!-- {tag}:start -->\n" + body + f"<!-- {tag}:end -->" + tail
+
+
+KIND_ALIASES = {"edge_set": "edge set", "edge_sets": "edge set", "edge-set": "edge set", "edge-sets": "edge set",
+                "codec": "compressor", "codecs": "compressor", "dataset": "dataset"}
+
+
+def kind_name(text: str, kinds: list[str]) -> str | None:
+    """The kind `text` names, singular or plural (`attack`, `attacks`, `edge_sets`)."""
+    text = text.lower()
+    for candidate in (text, text[:-1] if text.endswith("s") else text, text[:-2] if text.endswith("es") else text):
+        candidate = KIND_ALIASES.get(candidate, candidate)
+        if candidate in kinds:
+            return candidate
+    return None
+
+
+def cmd_list(args) -> int:
     if args.markdown:
         print(component_table_markdown(), end="")
         return 0
     if args.write_readme:
-        text = args.write_readme.read_text()
-        head, rest = text.split("<!-- components:start -->\n", 1)
-        tail = rest.split("<!-- components:end -->", 1)[1]
-        args.write_readme.write_text(head + "<!-- components:start -->\n" + component_table_markdown() + "<!-- components:end -->" + tail)
+        text = replace_between(args.write_readme.read_text(), "components", component_table_markdown())
+        args.write_readme.write_text(replace_between(text, "scenarios", scenario_list_markdown()))
         return 0
-    kinds = [args.kind] if args.kind else sorted(ALL)
-    for kind in kinds:
-        if kind not in ALL:
-            err_console.print(f"unknown kind {kind!r}; allowed: {', '.join(sorted(ALL))}")
+    every = listing()
+    kinds = list(every) + ["scenario"]
+    if args.kind:
+        kind = kind_name(args.kind, kinds)
+        if kind is None:
+            err_console.print(f"unknown kind {args.kind!r}; allowed: {', '.join(k + 's' for k in kinds)} (or singular)")
             return 2
-        table = Table(title=f"{kind}s")
-        table.add_column("YAML name")
-        table.add_column("parameters (default)")
-        table.add_column("what it is")
-        for entry in ALL[kind].entries():
-            table.add_row(entry.name, param_defaults(entry.params), entry.summary)
-        console.print(table)
+        kinds = [kind]
+    for kind in kinds:
+        if kind == "scenario":
+            from fedsim.scenario_files import ready_scenarios
+
+            table = Table(title="ready scenarios (fedsim run PATH, from any folder)")
+            table.add_column("path")
+            table.add_column("name")
+            for path, what in ready_scenarios():
+                table.add_row(path, what)
+        else:
+            table = Table(title=f"{kind}s")
+            table.add_column("YAML name")
+            table.add_column("parameters (default)")
+            table.add_column("what it is")
+            for row in every[kind]:
+                table.add_row(*row)
+        print_wide(table)
     return 0
 
 
@@ -172,7 +254,7 @@ def cmd_run(args) -> int:
         except (RunInterrupted, RunStopped) as err:
             code = err.exit_code if isinstance(err, RunInterrupted) else 130
             return stopped(code, scenario, run_dir if "run_dir" in locals() else None, fresh=args.resume is None)
-    console.print(round_table(read_rounds(run_dir), f"{scenario.name} (seed {scenario.seed})"))
+    print_wide(round_table(read_rounds(run_dir), f"{scenario.name} (seed {scenario.seed})"))
     summary = json.loads((run_dir / "summary.json").read_text())
     console.print(
         f"final main accuracy {_fmt(summary['final_main_accuracy'], True)}, "
@@ -268,7 +350,8 @@ def cmd_sweep(args) -> int:
                 exit_now(code)
             return code
     path = write_report([folder], folder / "report")
-    print(markdown_table([folder / r.name for r in runs if is_done(folder / r.name)]))
+    done = [folder / r.name for r in runs if is_done(folder / r.name)]
+    print(markdown_table(done, {d: d.name for d in done}))
     console.print(f"report: {path}")
     return 0 if all(is_done(folder / r.name) for r in runs) else 1
 
@@ -382,10 +465,11 @@ def cmd_deploy(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from fedsim.report import find_runs, markdown_table, write_report
+    from fedsim.report import find_runs, markdown_table, run_labels, write_report
 
     path = write_report(args.dirs, args.out)
-    print(markdown_table(find_runs(args.dirs)))
+    runs = find_runs(args.dirs)
+    print(markdown_table(runs, run_labels(runs, args.dirs)))
     console.print(f"report: {path}")
     return 0
 
@@ -447,13 +531,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="markdown table and plots from run folders")
     rep.add_argument("dirs", type=Path, nargs="+", help="run folders, or folders holding run folders")
-    rep.add_argument("--out", type=Path, default=Path("report"), help="where report.md and the PNGs go")
+    rep.add_argument("--out", type=Path, default=None,
+                     help="where report.md and the PNGs go (default: report/ inside the folder reported on, "
+                          "or inside the folders' common parent)")
     rep.set_defaults(func=cmd_report)
 
     lst = sub.add_parser("list", help="list registered components and their parameters")
-    lst.add_argument("kind", nargs="?", default=None)
+    lst.add_argument("kind", nargs="?", default=None,
+                     help="aggregators, attacks, defenses, compressors, datasets, models, partitioners, schedules, "
+                          "edge_sets, lowrank or scenarios (singular works too); default: all")
     lst.add_argument("--markdown", action="store_true", help="print the README's component table")
-    lst.add_argument("--write-readme", type=Path, default=None, metavar="README", help="rewrite the table in README")
+    lst.add_argument("--write-readme", type=Path, default=None, metavar="README",
+                     help="rewrite the component table and the ready-scenario list in README")
     lst.set_defaults(func=cmd_list)
     return parser
 

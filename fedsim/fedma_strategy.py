@@ -27,7 +27,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from aggregators.fedma import average_last_layer, bbp_map_match
+from fedsim.aggregators.fedma import average_last_layer, bbp_map_match
 from fedsim.checkpoint import save_server
 from fedsim.fedma_arch import State, num_params
 from fedsim.fedma_client import arch_for, record_to_state, state_to_record

@@ -105,9 +105,9 @@ ALL = {
 
 # Modules whose import registers components. Kept in one list so that registering is explicit.
 COMPONENT_MODULES = (
-    "aggregators",
-    "defenses",
-    "attacks",
+    "fedsim.aggregators",
+    "fedsim.defenses",
+    "fedsim.attacks",
     "fedsim.compression",
     "fedsim.data",
     "fedsim.models",

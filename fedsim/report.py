@@ -10,22 +10,44 @@ from fedsim.results import read_rounds
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
-    """Run folders among `paths` (a run folder itself, or a folder of run folders), sorted by name."""
-    runs: list[Path] = []
-    for path in paths:
-        path = Path(path)
+    """Run folders (those holding rounds.jsonl) at or anywhere below `paths`: a run folder, a
+    results folder, a sweep, a folder of sweeps. Sorted by path, so a report is stable."""
+    runs: set[Path] = set()
+    for path in map(Path, paths):
         if (path / "rounds.jsonl").exists():
-            runs.append(path)
-        else:
-            runs += sorted(p.parent for p in path.glob("*/rounds.jsonl"))
-    return sorted(set(runs), key=lambda p: p.name)
+            runs.add(path)
+        runs.update(p.parent for p in path.rglob("rounds.jsonl"))
+    return sorted(runs)
+
+
+def run_labels(runs: list[Path], paths: list[Path]) -> dict[Path, str]:
+    """A distinct label per run: its path below the folder it was found in (`sweep/run`), or its
+    folder name when it is itself one of `paths`. Unrelated runs of one scenario name differ by
+    their folders' timestamps; should two labels still clash, the full paths are used."""
+    roots = [Path(p).resolve() for p in paths]
+    labels = {}
+    for run in runs:
+        here = run.resolve()
+        below = [here.relative_to(r) for r in roots if here != r and here.is_relative_to(r)]
+        labels[run] = str(min(below, key=lambda p: len(p.parts))) if below else run.name
+    if len(set(labels.values())) < len(labels):
+        labels = {run: str(run) for run in runs}
+    return labels
 
 
 def run_label(run: Path) -> str:
-    summary = run / "summary.json"
-    if summary.exists():
-        return json.loads(summary.read_text())["name"]
-    return run.name
+    """The run's folder name (unique within its parent; see run_labels for a set of runs)."""
+    return Path(run).name
+
+
+def default_out(paths: list[Path]) -> Path:
+    """Where a report goes without --out: `report/` inside the one folder reported on, or inside
+    the folders' common parent."""
+    import os
+
+    if len(paths) == 1:
+        return Path(paths[0]) / "report"
+    return Path(os.path.commonpath([str(Path(p).resolve()) for p in paths])) / "report"
 
 
 def swept_values(run: Path) -> dict:
@@ -42,12 +64,12 @@ def _short(value) -> str:
     return str(value)
 
 
-def run_row(run: Path) -> dict:
+def run_row(run: Path, label: str | None = None) -> dict:
     rounds = read_rounds(run)
     acc = [r["main_accuracy"] for r in rounds if r.get("main_accuracy") is not None]
     bd = [r["backdoor_success"] for r in rounds if r.get("backdoor_success") is not None]
     return {
-        "run": run_label(run),
+        "run": label if label is not None else run_label(run),
         "rounds": len(rounds),
         "final_acc": acc[-1] if acc else None,
         "best_acc": max(acc) if acc else None,
@@ -63,8 +85,9 @@ def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.1f}"
 
 
-def markdown_table(runs: list[Path]) -> str:
+def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> str:
     """One row per run; runs of a sweep get a column per swept key."""
+    labels = labels or {}
     keys = sorted({k for run in runs for k in swept_values(run)})
     lines = [
         "| run | " + "".join(f"{k} | " for k in keys)
@@ -72,7 +95,7 @@ def markdown_table(runs: list[Path]) -> str:
         "|---|" + "---|" * len(keys) + "---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
-        r, swept = run_row(run), swept_values(run)
+        r, swept = run_row(run, labels.get(run)), swept_values(run)
         lines.append(
             f"| {r['run']} | " + "".join(f"{_short(swept.get(k, '-'))} | " for k in keys)
             + f"{r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
@@ -83,6 +106,19 @@ def markdown_table(runs: list[Path]) -> str:
 
 def plot_heatmap(runs: list[Path], out: Path, metric: str = "peak_backdoor") -> Path | None:
     """`metric` over the first two swept keys (averaged over the others, e.g. seeds)."""
+    fig = heatmap_figure(runs, metric)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
+    path = out / f"heatmap_{metric}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def heatmap_figure(runs: list[Path], metric: str = "peak_backdoor"):
+    """The heatmap's figure, sized to its cells (None without two swept keys)."""
     keys = sorted({k for run in runs for k in swept_values(run)})
     if len(keys) < 2:
         return None
@@ -98,55 +134,67 @@ def plot_heatmap(runs: list[Path], out: Path, metric: str = "peak_backdoor") -> 
         sw, value = swept_values(run), run_row(run)[metric]
         if value is not None:
             cells.setdefault((_short(sw.get(ky)), _short(sw.get(kx))), []).append(value)
+    if not cells:
+        return None
     rows = sorted({r for r, _ in cells})
     cols = sorted({c for _, c in cells})
     grid = np.full((len(rows), len(cols)), np.nan)
     for (r, c), vals in cells.items():
         grid[rows.index(r), cols.index(c)] = float(np.mean(vals))
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(cols), 1.2 + 0.6 * len(rows)))
-    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis")
+    label_width = max(len(c) for c in cols)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(cols) + 0.05 * label_width, 1.3 + 0.8 * len(rows)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=30, ha="right")
     ax.set_yticks(range(len(rows)), rows)
-    ax.set(xlabel=kx, ylabel=ky, title=metric.replace("_", " "))
+    title = metric.replace("_", " ")
+    ax.set(xlabel=kx, ylabel=ky, title=f"{title} (mean over other keys)" if len(keys) > 2 else title)
     for i in range(len(rows)):
         for j in range(len(cols)):
             if not np.isnan(grid[i, j]):
                 ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", color="w" if grid[i, j] < 0.6 else "k")
-    fig.colorbar(im, ax=ax)
+    bar = fig.colorbar(im, ax=ax, fraction=0.08, pad=0.03)
+    bar.set_label(title)
     fig.tight_layout()
-    path = out / f"heatmap_{metric}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def plot_curves(runs: list[Path], out: Path) -> list[Path]:
+def legend_below(fig, axes_list, handles, names) -> None:
+    """One legend for the figure, in columns below the plots, so it never covers the data."""
+    ncol = min(3, max(1, len(names)))
+    rows = -(-len(names) // ncol)
+    extra = 0.22 * rows + 0.3  # inches for the legend
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width, height + extra)
+    fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, extra / (height + extra), 1, 1))
+
+
+def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = None) -> list[Path]:
     """Main accuracy and backdoor success per round, one line per run; attack rounds marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    labels = labels or {run: run_label(run) for run in runs}
     all_rounds = {run: read_rounds(run) for run in runs}
     targeted = any(r.get("backdoor_success") is not None for rs in all_rounds.values() for r in rs)
     fig, axes = plt.subplots(1, 2 if targeted else 1, figsize=(12 if targeted else 7, 4.2), squeeze=False)
     ax_acc = axes[0][0]
+    handles = []
     for run, rounds in all_rounds.items():
         xs = [r["round"] for r in rounds]
-        label = run_label(run)
-        ax_acc.plot(xs, [r.get("main_accuracy") for r in rounds], label=label)
+        line, = ax_acc.plot(xs, [r.get("main_accuracy") for r in rounds])
+        handles.append(line)
         if targeted:
-            line, = axes[0][1].plot(xs, [r.get("backdoor_success") for r in rounds], label=label)
+            axes[0][1].plot(xs, [r.get("backdoor_success") for r in rounds], color=line.get_color())
             hits = [r for r in rounds if r.get("attackers") and r.get("backdoor_success") is not None]
             axes[0][1].plot([r["round"] for r in hits], [r["backdoor_success"] for r in hits], "o",
                             color=line.get_color(), markersize=3)
     ax_acc.set(xlabel="round", ylabel="main-task accuracy", title="main task")
     if targeted:
         axes[0][1].set(xlabel="round", ylabel="backdoor success rate", title="backdoor (dots: attack rounds)", ylim=(-0.02, 1.02))
-        axes[0][1].legend(fontsize=7, loc="best")
-    else:
-        ax_acc.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    legend_below(fig, axes[0], handles, [labels[run] for run in all_rounds])
     out.mkdir(parents=True, exist_ok=True)
     path = out / "curves.png"
     fig.savefig(path, dpi=110)
@@ -154,35 +202,40 @@ def plot_curves(runs: list[Path], out: Path) -> list[Path]:
     return [path]
 
 
-def plot_bytes_vs_accuracy(runs: list[Path], out: Path) -> Path:
+def plot_bytes_vs_accuracy(runs: list[Path], out: Path, labels: dict[Path, str] | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    labels = labels or {run: run_label(run) for run in runs}
     fig, ax = plt.subplots(figsize=(6, 4.2))
+    handles = []
     for run in runs:
         rows = run_row(run)
-        ax.scatter(rows["mb_up"], rows["final_acc"], label=rows["run"])
+        handles.append(ax.scatter(rows["mb_up"], rows["final_acc"]))
     ax.set(xlabel="MB uploaded (total)", ylabel="final main accuracy")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    legend_below(fig, [ax], handles, [labels[run] for run in runs])
     path = out / "bytes_vs_accuracy.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def write_report(paths: list[Path], out: Path) -> Path:
-    """`report.md` with the table and the plots, from the run folders under `paths`."""
+def write_report(paths: list[Path], out: Path | None = None) -> Path:
+    """`report.md` with the table and the plots, from the run folders at or below `paths`;
+    `out` defaults to `default_out(paths)` (inside the folder reported on)."""
+    paths = [Path(p) for p in paths]
     runs = find_runs(paths)
     if not runs:
         raise FileNotFoundError(f"no run folders (with rounds.jsonl) under {', '.join(map(str, paths))}")
+    out = default_out(paths) if out is None else Path(out)
+    labels = run_labels(runs, paths)
     out.mkdir(parents=True, exist_ok=True)
-    plots = plot_curves(runs, out) + [plot_bytes_vs_accuracy(runs, out)]
+    plots = plot_curves(runs, out, labels) + [plot_bytes_vs_accuracy(runs, out, labels)]
     heat = plot_heatmap(runs, out)
     if heat is not None:
         plots.append(heat)
-    text = "# fedsim report\n\n" + markdown_table(runs) + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in plots)
+    text = "# fedsim report\n\n" + markdown_table(runs, labels) + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in plots)
     (out / "report.md").write_text(text)
     return out / "report.md"

@@ -327,7 +327,9 @@ def read_yaml(path: str | Path) -> dict:
     """A scenario file as plain data, refusing anything that could hang or crash what reads it next:
     non-files, over MAX_FILE_BYTES, not UTF-8, not YAML, nested deeper than MAX_DEPTH, or
     expanding (through aliases) to more than MAX_VALUES values."""
-    path = Path(path)
+    from fedsim.scenario_files import resolve_scenario_path
+
+    path = resolve_scenario_path(path)
 
     def bad(msg: str, value: Any = str(path)) -> ScenarioError:
         return ScenarioError(str(path), [("<file>", msg, value)])
@@ -338,7 +340,7 @@ def read_yaml(path: str | Path) -> dict:
         with open(path, "rb") as fh:
             data = fh.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise bad("no such file") from None
+        raise bad("no such file (nor a ready scenario of that name: `fedsim list scenarios` shows them)") from None
     except OSError as err:
         raise bad(f"cannot read: {err.strerror or err}") from None
     if len(data) > MAX_FILE_BYTES:

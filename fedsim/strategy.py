@@ -29,8 +29,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from aggregators.base import AggregationError
-from attacks.schedules import sample_round
+from fedsim.aggregators.base import AggregationError
+from fedsim.attacks.schedules import sample_round
 from fedsim.checkpoint import save_server
 from fedsim.compression.base import PayloadError
 from fedsim.engine.options import EngineOptions

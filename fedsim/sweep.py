@@ -94,6 +94,9 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 def expand(path: str | Path, overrides: list[str] | None = None) -> tuple[str, list[SweepRun]]:
     """The sweep's name and its runs, each validated; all problems are reported together."""
+    from fedsim.scenario_files import resolve_scenario_path
+
+    path = resolve_scenario_path(path)  # a ready sweep by name, from any folder
     raw = read_yaml(path)
     if isinstance(raw, dict) and "base" in raw:
         base_path = Path(path).parent / str(raw.pop("base"))

@@ -21,14 +21,14 @@ from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy.multikrum import select_multikrum
 from pydantic import ValidationError
 
-from aggregators.base import vector_rule_names
-import aggregators.columns
-from aggregators import AggregationError
-from aggregators.bulyan import bulyan, bulyan_select
-from aggregators.coordinate import TrimmedMeanParams, median, trimmed_mean
-from aggregators.distances import pairwise_sq_distances
-from aggregators.krum import krum, krum_scores, multikrum, multikrum_select
-from aggregators.rfa import rfa
+from fedsim.aggregators.base import vector_rule_names
+import fedsim.aggregators.columns as columns
+from fedsim.aggregators import AggregationError
+from fedsim.aggregators.bulyan import bulyan, bulyan_select
+from fedsim.aggregators.coordinate import TrimmedMeanParams, median, trimmed_mean
+from fedsim.aggregators.distances import pairwise_sq_distances
+from fedsim.aggregators.krum import krum, krum_scores, multikrum, multikrum_select
+from fedsim.aggregators.rfa import rfa
 from fedsim.registry import AGGREGATORS
 
 # ---------------------------------------------------------------- inputs
@@ -296,7 +296,7 @@ def test_column_blocks_do_not_change_results(monkeypatch):
         "bulyan": lambda: bulyan(updates, weights, 2),
     }
     whole = {name: rule() for name, rule in rules.items()}
-    monkeypatch.setattr(aggregators.columns, "BLOCK_ELEMENTS", 11 * 8)  # 8 columns per block
+    monkeypatch.setattr(columns, "BLOCK_ELEMENTS", 11 * 8)  # 8 columns per block
     for name, rule in rules.items():  # equal up to float summation order
         np.testing.assert_allclose(rule().numpy(), whole[name].numpy(), rtol=1e-6, atol=1e-7)
 

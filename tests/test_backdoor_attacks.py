@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.label_flip import LabelFlip, LabelFlipParams
-from attacks.trigger import DBAParams, DistributedBackdoor, TriggerBackdoor, TriggerParams, choose_poisoned, stamp, trigger_mask
+from fedsim.attacks.label_flip import LabelFlip, LabelFlipParams
+from fedsim.attacks.trigger import DBAParams, DistributedBackdoor, TriggerBackdoor, TriggerParams, choose_poisoned, stamp, trigger_mask
 from fedsim.client_app import make_client_app
 from fedsim.data.base import ArrayDataset
 from fedsim.results import new_run_dir, read_rounds

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.byzantine import (
+from fedsim.attacks.byzantine import (
     ALIE,
     IPM,
     AGRAgnosticParams,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregators import AggregationError
-from aggregators.fedavg import fedavg
+from fedsim.aggregators import AggregationError
+from fedsim.aggregators.fedavg import fedavg
 from fedsim.models.layout import ModelLayout
 from fedsim.registry import ALL, MODELS, Params, Registry
 from fedsim.scenario import validate_scenario
@@ -81,7 +81,17 @@ def test_readme_component_table_is_generated_from_the_registries():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = readme.split("<!-- components:start -->\n")[1].split("<!-- components:end -->")[0]
-    assert table == component_table_markdown(), "run `fedsim list --markdown` and paste it into the README"
+    assert table == component_table_markdown(), "run `fedsim list --write-readme README.md`"
+
+
+def test_readme_scenario_list_matches_the_scenarios_folder():
+    from pathlib import Path
+
+    from fedsim.cli import scenario_list_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = readme.split("<!-- scenarios:start -->\n")[1].split("<!-- scenarios:end -->")[0]
+    assert listed == scenario_list_markdown(), "run `fedsim list --write-readme README.md`"
 
 
 def test_model_record_sized_once_adds_up_to_the_whole_message():

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import defenses.flame as flame_mod
-from defenses.clipping import NormClipping, NormClippingParams, WeakDP, WeakDPParams
-from defenses.flame import Flame, FlameParams
-from defenses.foolsgold import FoolsGold, FoolsGoldParams
+import fedsim.defenses.flame as flame_mod
+from fedsim.defenses.clipping import NormClipping, NormClippingParams, WeakDP, WeakDPParams
+from fedsim.defenses.flame import Flame, FlameParams
+from fedsim.defenses.foolsgold import FoolsGold, FoolsGoldParams
 from fedsim.models.layout import ModelLayout
 from fedsim.registry import DEFENSES
 from fedsim.updates import RoundContext, UpdateBatch

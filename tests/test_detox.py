@@ -14,10 +14,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from aggregators.base import vector_rule_names
-import aggregators.detox as detox_module
-from aggregators import AggregationError
-from aggregators.detox import (
+from fedsim.aggregators.base import vector_rule_names
+import fedsim.aggregators.detox as detox_module
+from fedsim.aggregators import AggregationError
+from fedsim.aggregators.detox import (
     DetoxParams,
     check_groups,
     consecutive_groups,
@@ -27,7 +27,7 @@ from aggregators.detox import (
     expected_bad_groups,
     majority_vote,
 )
-from aggregators.krum import multikrum
+from fedsim.aggregators.krum import multikrum
 from fedsim.registry import AGGREGATORS
 from fedsim.strategy import component_kwargs
 

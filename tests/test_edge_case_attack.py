@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.edge_case import replacement_factor
-from attacks.schedules import EveryRound, ExplicitRounds, FixedFrequency, FixedPool, sample_round
+from fedsim.attacks.edge_case import replacement_factor
+from fedsim.attacks.schedules import EveryRound, ExplicitRounds, FixedFrequency, FixedPool, sample_round
 from fedsim.client_app import local_update
 from fedsim.runtime import Runtime
 from fedsim.scenario import validate_scenario

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from aggregators.fedma import (
+from fedsim.aggregators.fedma import (
     FedMAParams,
     GaussianPrior,
     assign,

@@ -34,6 +34,8 @@ class EdgeSet:
 
 
 class TailEdge(Params):
+    """Source-class images moved into the tail by a transform honest clients never see (any dataset)."""
+
     name: Literal["tail"] = "tail"
     source_class: int = Field(7, ge=0)
     target_class: int = Field(1, ge=0)
@@ -59,12 +61,16 @@ class TailEdge(Params):
 
 
 class ArdisEdge(Params):
+    """ARDIS IV Swedish digits of one class, labelled as the target: the paper's MNIST edge case."""
+
     name: Literal["ardis"] = "ardis"
     source_class: int = Field(7, description="ARDIS digit used as edge case")
     target_class: int = Field(1)
 
 
 class SouthwestEdge(Params):
+    """Southwest Airlines plane photos labelled as the target: the paper's CIFAR-10 edge case."""
+
     name: Literal["southwest"] = "southwest"
     target_class: int = Field(9, description="9 = truck, as in the paper's main pipeline")
 
