@@ -11,14 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder leads sys.path and its name would shadow the `aggregators`
-# package; drop that folder and put the repository root first instead.
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 

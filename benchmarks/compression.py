@@ -16,13 +16,11 @@ import argparse
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -94,8 +92,7 @@ def measure(codec, layout: ModelLayout, delta: torch.Tensor, repeats: int) -> di
 
 
 def quickstart_accuracy(name: str, params: dict, rounds: int) -> tuple[float, float | None, int]:
-    sys.path.insert(0, str(_HERE.parent / "tests"))  # the in-process grid the fast tests use
-    from local_grid import LocalGrid
+    from fedsim.engine.local_grid import LocalGrid
 
     from fedsim.client_app import make_client_app
     from fedsim.results import new_run_dir, read_rounds

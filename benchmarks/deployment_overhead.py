@@ -57,7 +57,6 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from fedsim import deploy  # noqa: E402
 
@@ -243,8 +242,7 @@ def in_process(args) -> dict:
     """The same scenario on an in-process grid: the compute a round needs, without any engine."""
     import logging
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from local_grid import LocalGrid
+    from fedsim.engine.local_grid import LocalGrid
 
     from fedsim.client_app import make_client_app
     from fedsim.results import new_run_dir, read_rounds

@@ -13,14 +13,12 @@ Run: `.venv/bin/python benchmarks/fedma_oneshot.py [--scenario scenarios/fedma/d
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from fedsim.aggregators.fedma import average_last_layer, bbp_map_match  # noqa: E402
 from fedsim.fedma_arch import state_of  # noqa: E402

@@ -55,7 +55,6 @@ import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import fedsim.engine.simulate  # noqa: E402,F401  (sets Flower/Ray environment defaults before they are imported)
 from fedsim.engine.options import EngineOptions  # noqa: E402

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 REPO = _HERE.parent
 
 

@@ -311,7 +311,7 @@ def cmd_sweep(args) -> int:
     from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
 
     from fedsim.report import markdown_table, write_report
-    from fedsim.sweep import expand, is_done, prepare, run_sweep, sweep_dir
+    from fedsim.sweep import expand, is_done, run_sweep, sweep_dir
 
     name, runs = expand(args.file, args.set)
     preflight_runs(runs, str(args.file))

@@ -17,7 +17,7 @@ from fedsim.results import new_run_dir, read_rounds
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError, validate_scenario
 from fedsim.server_app import run_server
-from local_grid import LocalGrid
+from fedsim.engine.local_grid import LocalGrid
 
 
 def scenario(attack, seed=0, **federation):

@@ -433,7 +433,7 @@ def run(tmp_path, overrides):
     from fedsim.results import new_run_dir, read_rounds
     from fedsim.scenario import load_scenario
     from fedsim.server_app import run_server
-    from local_grid import LocalGrid
+    from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + overrides)
     run_dir = new_run_dir(scenario, tmp_path)

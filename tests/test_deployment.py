@@ -111,7 +111,7 @@ def in_process_rounds(tmp: Path, overrides: list[str]) -> list[dict]:
     from fedsim.results import new_run_dir
     from fedsim.scenario import load_scenario
     from fedsim.server_app import run_server
-    from local_grid import LocalGrid
+    from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)
     local_dir = new_run_dir(scenario, tmp / "local")

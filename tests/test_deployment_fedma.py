@@ -39,7 +39,7 @@ def test_fedma_runs_on_superlink_like_in_process(cluster):
     from fedsim.results import new_run_dir
     from fedsim.scenario import load_scenario
     from fedsim.server_app import run_server
-    from local_grid import LocalGrid
+    from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario(SCENARIO, OVERRIDES)
     local_dir = new_run_dir(scenario, cluster.tmp / "local")

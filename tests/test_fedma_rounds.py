@@ -23,7 +23,7 @@ from fedsim.scenario import ScenarioError, load_scenario
 from fedsim.seeding import INIT, TRAIN, derive_seed
 from fedsim.server_app import run_server
 from fedsim.training import TrainConfig, train
-from local_grid import LocalGrid
+from fedsim.engine.local_grid import LocalGrid
 
 SCENARIO = "scenarios/fedma/digits_mlp.yaml"
 SMALL = [

@@ -147,7 +147,7 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     from fedsim.results import new_run_dir
     from fedsim.scenario import load_scenario
     from fedsim.server_app import run_server
-    from local_grid import LocalGrid
+    from fedsim.engine.local_grid import LocalGrid
 
     overrides = [a for a in SMALL if a != "--set"]
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)

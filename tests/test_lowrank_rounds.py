@@ -9,7 +9,7 @@ from fedsim.client_app import make_client_app
 from fedsim.results import new_run_dir, read_rounds
 from fedsim.scenario import ScenarioError, load_scenario
 from fedsim.server_app import run_server
-from local_grid import LocalGrid
+from fedsim.engine.local_grid import LocalGrid
 
 BASE = ["federation.rounds=5", "federation.num_clients=8", "federation.clients_per_round=4",
         "model.hidden=[64, 64]", "attack.schedule.every=2"]

@@ -7,7 +7,7 @@ from fedsim.client_app import make_client_app
 from fedsim.results import every_round_skipped, new_run_dir, read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server_app import run_server
-from local_grid import LocalGrid
+from fedsim.engine.local_grid import LocalGrid
 
 
 def test_every_round_skipped_only_when_no_round_was_aggregated():

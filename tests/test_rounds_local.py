@@ -14,7 +14,7 @@ from fedsim.client_app import make_client_app
 from fedsim.results import new_run_dir, read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server_app import run_server
-from local_grid import LocalGrid
+from fedsim.engine.local_grid import LocalGrid
 
 QUICK = ["federation.rounds=4", "federation.num_clients=8", "federation.clients_per_round=5", "attack.schedule.every=2", "attack.schedule.first=1"]
 

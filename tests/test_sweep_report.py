@@ -12,7 +12,7 @@ from fedsim.results import read_rounds
 from fedsim.scenario import ScenarioError
 from fedsim.server_app import run_server
 from fedsim.sweep import expand, run_sweep, sweep_dir
-from local_grid import LocalGrid
+from fedsim.engine.local_grid import LocalGrid
 
 SWEEP = """
 base: {quickstart}

@@ -85,7 +85,7 @@ def run_scenario(name: str, parent: Path) -> list[dict]:
     from fedsim.results import new_run_dir, read_rounds
     from fedsim.scenario import load_scenario
     from fedsim.server_app import run_server
-    from local_grid import LocalGrid
+    from fedsim.engine.local_grid import LocalGrid
 
     path, overrides, kill_after = SCENARIOS[name]
     scenario = load_scenario(str(REPO / path), overrides)

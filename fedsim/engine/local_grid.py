@@ -1,17 +1,18 @@
 """An in-process Flower Grid that calls the ClientApp directly: the same messages and the same
-strategy code as under Ray, without Ray's start-up cost (flower.md §5). Used by fast tests."""
+strategy code as under Ray, without Ray's start-up cost. The fast tests, the golden metrics and
+the benchmarks' plain references run on it; `tamper` and `fail` rewrite or crash chosen replies."""
 
 from __future__ import annotations
 
 from flwr.app import Context, Error, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity  # internal: needed to build Messages outside a runtime
+
+from fedsim.engine.flower_compat import act_as_superlink
 
 
 class LocalGrid(Grid):
     def __init__(self, client_app, num_nodes: int, tamper=None, fail=()) -> None:
-        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
+        act_as_superlink(run_id=1)  # Messages need a task identity outside a running app
         self._app = client_app
         self._ids = [1000 + 7 * i for i in range(num_nodes)]  # node ids unrelated to partition ids
         self._ctx = {
