@@ -10,6 +10,5 @@ from fedsim.aggregators.base import AggregationError
 from fedsim.aggregators import fedavg  # noqa: F401  (registers)
 from fedsim.aggregators import krum, coordinate, bulyan, rfa  # noqa: F401  (register)
 from fedsim.aggregators import detox  # noqa: F401  (registers; nests the rules above)
-from fedsim.aggregators import fedma  # noqa: F401  (registers the layer-wise FedMA protocol)
 
 __all__ = ["AggregationError"]

@@ -22,4 +22,4 @@ def vector_rule_names() -> list[str]:
     """Registered aggregators that are `[n, d] -> [d]` rules (FedMA's layer-wise protocol is not)."""
     from fedsim.registry import AGGREGATORS
 
-    return [n for n in AGGREGATORS.names() if not getattr(AGGREGATORS.get(n).obj, "layerwise", False)]
+    return [n for n in AGGREGATORS.names() if AGGREGATORS.get(n).capability("protocol") is None]

@@ -313,12 +313,9 @@ def detox_with_info(
     return out, info
 
 
-@AGGREGATORS.register("detox", DetoxParams)
+# The strategy forms the groups (and gives members the same data) and logs the vote.
+@AGGREGATORS.register("detox", DetoxParams, needs_groups=True, with_info=detox_with_info)
 def detox(updates: torch.Tensor, weights: torch.Tensor, **params: Any) -> torch.Tensor:
     """DETOX: majority vote inside redundant client groups, then a robust rule across groups."""
     return detox_with_info(updates, weights, **params)[0]
 
-
-# What the strategy needs to know: it forms the groups (and gives members the same data) and logs the vote.
-detox.needs_groups = True
-detox.with_info = detox_with_info

@@ -76,12 +76,6 @@ class KrumParams(Params):
         return None
 
 
-@AGGREGATORS.register("krum", KrumParams)
-def krum(updates: torch.Tensor, weights: torch.Tensor, num_malicious: int = 1) -> torch.Tensor:
-    """The single update with the lowest Krum score (Blanchard et al. 2017)."""
-    return krum_with_info(updates, weights, num_malicious)[0]
-
-
 def krum_with_info(updates: torch.Tensor, weights: torch.Tensor, num_malicious: int = 1) -> tuple[torch.Tensor, dict]:
     """Krum's output and which row it picked (for the round log)."""
     check_inputs(updates, weights)
@@ -106,17 +100,6 @@ class MultiKrumParams(Params):
         return None
 
 
-@AGGREGATORS.register("multikrum", MultiKrumParams)
-def multikrum(
-    updates: torch.Tensor,
-    weights: torch.Tensor,
-    num_malicious: int = 1,
-    num_selected: int | None = None,
-) -> torch.Tensor:
-    """Example-count-weighted mean of the m lowest Krum scores (m = n - f by default)."""
-    return multikrum_with_info(updates, weights, num_malicious, num_selected)[0]
-
-
 def multikrum_with_info(
     updates: torch.Tensor, weights: torch.Tensor, num_malicious: int = 1, num_selected: int | None = None
 ) -> tuple[torch.Tensor, dict]:
@@ -130,5 +113,18 @@ def multikrum_with_info(
     return (chosen_weights / total).to(updates.dtype) @ updates[chosen], {"selected": sorted(chosen.tolist())}
 
 
-krum.with_info = krum_with_info  # the strategy logs the selection by client id
-multikrum.with_info = multikrum_with_info
+@AGGREGATORS.register("krum", KrumParams, with_info=krum_with_info)  # the round log names the pick
+def krum(updates: torch.Tensor, weights: torch.Tensor, num_malicious: int = 1) -> torch.Tensor:
+    """The single update with the lowest Krum score (Blanchard et al. 2017)."""
+    return krum_with_info(updates, weights, num_malicious)[0]
+
+
+@AGGREGATORS.register("multikrum", MultiKrumParams, with_info=multikrum_with_info)
+def multikrum(
+    updates: torch.Tensor,
+    weights: torch.Tensor,
+    num_malicious: int = 1,
+    num_selected: int | None = None,
+) -> torch.Tensor:
+    """Example-count-weighted mean of the m lowest Krum scores (m = n - f by default)."""
+    return multikrum_with_info(updates, weights, num_malicious, num_selected)[0]

@@ -94,10 +94,10 @@ def measure(codec, layout: ModelLayout, delta: torch.Tensor, repeats: int) -> di
 def quickstart_accuracy(name: str, params: dict, rounds: int) -> tuple[float, float | None, int]:
     from fedsim.engine.local_grid import LocalGrid
 
-    from fedsim.client_app import make_client_app
-    from fedsim.results import new_run_dir, read_rounds
+    from fedsim.client.app import make_client_app
+    from fedsim.runs.results import new_run_dir, read_rounds
     from fedsim.scenario import load_scenario
-    from fedsim.server_app import run_server
+    from fedsim.server.app import run_server
 
     spec = "{" + ", ".join([f"name: {name}"] + [f"{k}: {v}" for k, v in params.items()]) + "}"
     scenario = load_scenario(_HERE.parent / "scenarios/quickstart.yaml", [f"federation.rounds={rounds}", f"compression={spec}"])

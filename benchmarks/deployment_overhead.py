@@ -58,7 +58,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from fedsim import deploy  # noqa: E402
+from fedsim.deploy import commands as deploy  # noqa: E402
 
 OVERRIDES = ["federation.num_clients=3", "federation.clients_per_round=3", "attack.attacker_ids=[0]",
              "attack.schedule={name: every_round}"]
@@ -244,10 +244,10 @@ def in_process(args) -> dict:
 
     from fedsim.engine.local_grid import LocalGrid
 
-    from fedsim.client_app import make_client_app
-    from fedsim.results import new_run_dir, read_rounds
+    from fedsim.client.app import make_client_app
+    from fedsim.runs.results import new_run_dir, read_rounds
     from fedsim.scenario import load_scenario
-    from fedsim.server_app import run_server
+    from fedsim.server.app import run_server
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     scenario = load_scenario(args.app_dir / "scenarios/quickstart.yaml", OVERRIDES + [f"federation.rounds={args.rounds}"])

@@ -20,9 +20,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-from fedsim.aggregators.fedma import average_last_layer, bbp_map_match  # noqa: E402
-from fedsim.fedma_arch import state_of  # noqa: E402
-from fedsim.fedma_client import arch_for, class_counts  # noqa: E402
+from fedsim.fedma.matching import average_last_layer, bbp_map_match  # noqa: E402
+from fedsim.fedma.arch import state_of  # noqa: E402
+from fedsim.fedma.client import arch_for, class_counts  # noqa: E402
 from fedsim.runtime import runtime_for  # noqa: E402
 from fedsim.scenario import load_scenario  # noqa: E402
 from fedsim.seeding import INIT, TRAIN, derive_seed  # noqa: E402

@@ -63,8 +63,8 @@ import torch  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from fedsim.attacks.schedules import sample_round  # noqa: E402
-from fedsim.client_app import make_client_app  # noqa: E402
-from fedsim.results import read_rounds  # noqa: E402
+from fedsim.client.app import make_client_app  # noqa: E402
+from fedsim.runs.results import read_rounds  # noqa: E402
 from fedsim.runtime import Runtime  # noqa: E402
 from fedsim.scenario import load_scenario, validate_scenario  # noqa: E402
 from fedsim.seeding import SAMPLE, TRAIN, derive_seed, numpy_rng  # noqa: E402

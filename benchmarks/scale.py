@@ -56,7 +56,7 @@ def scenario_for(num_clients: int, rounds: int, per_round: int):
 
 def child(num_clients: int, rounds: int, per_round: int, out: Path) -> None:
     """One simulation in this process; writes its timings to `out`."""
-    from fedsim.results import read_rounds
+    from fedsim.runs.results import read_rounds
     from fedsim.engine.simulate import simulate
 
     scenario = scenario_for(num_clients, rounds, per_round)

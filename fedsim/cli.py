@@ -78,7 +78,7 @@ def cmd_validate(args) -> int:
 
     raw = read_yaml(args.file)
     if isinstance(raw, dict) and "sweep" in raw:
-        from fedsim.sweep import expand
+        from fedsim.runs.sweep import expand
 
         name, runs = expand(args.file, args.set)
         preflight_runs(runs, str(args.file))
@@ -217,7 +217,7 @@ def cmd_run(args) -> int:
 
     from fedsim.engine.interrupt import RunInterrupted, RunStopped, on_signals
 
-    from fedsim.results import new_run_dir, read_rounds
+    from fedsim.runs.results import new_run_dir, read_rounds
     from fedsim.scenario import ScenarioError, load_scenario
 
     if args.resume is not None:
@@ -268,7 +268,7 @@ def cmd_run(args) -> int:
 
 def skipped_exit_code(rounds: list[dict]) -> int:
     """1 (with the reasons on stderr) when no round of the run was aggregated, else 0."""
-    from fedsim.results import every_round_skipped
+    from fedsim.runs.results import every_round_skipped
 
     reason = every_round_skipped(rounds)
     if reason is not None:
@@ -283,7 +283,7 @@ def skipped_exit_code(rounds: list[dict]) -> int:
 def stopped(code: int, scenario, run_dir: Path | None, fresh: bool) -> int:
     """Say what an interrupted run kept and how to resume it; wait briefly for the ServerApp's threads."""
     from fedsim.engine.interrupt import exit_now, wait_for_threads
-    from fedsim.results import read_rounds
+    from fedsim.runs.results import read_rounds
 
     done = max((r["round"] for r in read_rounds(run_dir)), default=0) if run_dir is not None else 0
     signal_name = {130: "SIGINT", 143: "SIGTERM"}.get(code, f"signal {code - 128}")
@@ -310,8 +310,8 @@ def cmd_sweep(args) -> int:
 
     from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
 
-    from fedsim.report import markdown_table, write_report
-    from fedsim.sweep import expand, is_done, run_sweep, sweep_dir
+    from fedsim.runs.report import markdown_table, write_report
+    from fedsim.runs.sweep import expand, is_done, run_sweep, sweep_dir
 
     name, runs = expand(args.file, args.set)
     preflight_runs(runs, str(args.file))
@@ -370,7 +370,7 @@ def run_in_processes(todo, folder: Path, jobs: int, progress, overall) -> None:
     import time
 
     from fedsim.engine.interrupt import RunInterrupted
-    from fedsim.sweep import prepare
+    from fedsim.runs.sweep import prepare
 
     pending, active = list(todo), []
     try:
@@ -413,7 +413,7 @@ def cmd_deploy(args) -> int:
     import shlex
     import subprocess
 
-    from fedsim import deploy
+    from fedsim.deploy import commands as deploy
 
     preload = deploy.PRELOAD if args.preload is None else tuple(m for m in args.preload.split(",") if m)
     if args.role == "executor":  # before anything else is imported: the executor forks ClientApps
@@ -421,7 +421,9 @@ def cmd_deploy(args) -> int:
         if args.dry_run:
             print(shlex.join(deploy.executor_cmd(runtime_api, args.runtime_root_cert, args.poll_interval, preload)))
             return 0
-        return deploy.serve_clientapps(runtime_api, args.runtime_root_cert, args.poll_interval, preload)
+        from fedsim.deploy.executor import serve_clientapps
+
+        return serve_clientapps(runtime_api, args.runtime_root_cert, args.poll_interval, preload)
 
     from fedsim.scenario import ScenarioError
 
@@ -465,7 +467,7 @@ def cmd_deploy(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from fedsim.report import find_runs, markdown_table, run_labels, write_report
+    from fedsim.runs.report import find_runs, markdown_table, run_labels, write_report
 
     path = write_report(args.dirs, args.out)
     runs = find_runs(args.dirs)

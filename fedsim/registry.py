@@ -8,7 +8,7 @@ from these registries, so a component cannot be usable in one place and missing 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, create_model
@@ -35,6 +35,16 @@ class Entry:
     name: str
     obj: Any
     params: type[Params]
+    capabilities: dict = field(default_factory=dict)  # what callers must know, declared at registration
+
+    def capability(self, key: str, default: Any = None) -> Any:
+        """A declared capability; a "module:attribute" text is imported on first use (so a
+        protocol's server and client parts are loaded only where they run)."""
+        value = self.capabilities.get(key, default)
+        if isinstance(value, str) and ":" in value:
+            module, _, attr = value.partition(":")
+            return getattr(importlib.import_module(module), attr)
+        return value
 
     @property
     def summary(self) -> str:
@@ -57,13 +67,17 @@ class Registry:
         self.kind = kind
         self._entries: dict[str, Entry] = {}
 
-    def register(self, name: str, params: type[Params] = Params) -> Callable[[Any], Any]:
+    def register(self, name: str, params: type[Params] = Params, **capabilities: Any) -> Callable[[Any], Any]:
+        """Decorator: register `obj` as `name` with its parameter model and its capabilities, e.g. an
+        aggregator's `needs_groups=True`, `with_info=fn` (also reports what it chose) or
+        `protocol=...` (a multi-exchange protocol with its own strategy, like FedMA)."""
+
         def deco(obj: Any) -> Any:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             if not (isinstance(params, type) and issubclass(params, Params)):
                 raise TypeError(f"{self.kind} {name!r}: params must subclass fedsim.registry.Params")
-            self._entries[name] = Entry(self.kind, name, obj, params)
+            self._entries[name] = Entry(self.kind, name, obj, params, dict(capabilities))
             return obj
 
         return deco
@@ -108,6 +122,7 @@ COMPONENT_MODULES = (
     "fedsim.aggregators",
     "fedsim.defenses",
     "fedsim.attacks",
+    "fedsim.fedma",
     "fedsim.compression",
     "fedsim.data",
     "fedsim.models",

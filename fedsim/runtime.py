@@ -18,7 +18,7 @@ import torch
 from fedsim.data.base import ArrayDataset, resolve_data_dir
 from fedsim.diskcache import cache_dir, cached_arrays, folder_fingerprint, key_of
 from fedsim.models.layout import ModelLayout
-from fedsim.models.lowrank import build_factorized
+from fedsim.lowrank.layers import build_factorized
 from fedsim.registry import ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS
 from fedsim.scenario import scenario_dict
 from fedsim.training import TrainConfig, train

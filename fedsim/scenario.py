@@ -136,39 +136,6 @@ class OutputSection(Section):
     checkpoints: bool = Field(True, description="save server and client state every round, so `--resume` works")
 
 
-def fedma_conflicts(sc) -> list[tuple[str, str, Any]]:
-    """Settings FedMA's layer-wise matching cannot work with, refused before anything runs."""
-    from fedsim.models.nets import RESIZABLE
-    from fedsim.registry import ATTACKS
-
-    both = "aggregator.name=fedma"
-    out = []
-    if sc.lowrank is not None:
-        out.append(("lowrank", f"{both} matches the neurons of full layers; lowrank.name={sc.lowrank.name} factorizes them: drop one",
-                    sc.lowrank.name))
-    if sc.compression.name != "none":
-        out.append(("compression", f"{both} uploads whole layers whose width changes every exchange; compression.name="
-                    f"{sc.compression.name} encodes fixed-shape model updates: set compression to none", sc.compression.name))
-    if sc.defenses:
-        out.append(("defenses", f"{both} aggregates layers of varying width, not [n, d] updates; defenses="
-                    f"{[d.name for d in sc.defenses]} need the latter: remove them", [d.name for d in sc.defenses]))
-    if sc.model.name not in RESIZABLE:
-        out.append(("model", f"{both} grows hidden layers; model.name={sc.model.name} cannot be resized (allowed: {list(RESIZABLE)})",
-                    sc.model.name))
-    if sc.attack is not None:
-        attack = ATTACKS.get(sc.attack.name).obj(sc.attack)
-        if attack.side != "client" or not attack.poisons_data_only():
-            mode = getattr(sc.attack, "mode", None)
-            what = f"attack.name={sc.attack.name}" + (f" (mode {mode})" if mode else "")
-            out.append(("attack", f"{both} supports data-poisoning attackers only; {what} needs the [n, d] update protocol "
-                        "(server-side crafting, PGD projection or update scaling)", sc.attack.name))
-    if sc.aggregator.local_init and (sc.init.checkpoint or sc.init.pretrain_epochs):
-        out.append(("aggregator.local_init", "aggregator.local_init=true starts every client from its own initialisation, so "
-                    "init.checkpoint / init.pretrain_epochs would be ignored: set aggregator.local_init=false to start from them",
-                    True))
-    return out
-
-
 def consistency_problems(sc) -> list[tuple[str, str, Any]]:
     """What each section allows alone but the scenario as a whole cannot run: every scenario that
     validates must be able to aggregate a round (field path, message naming both settings, value)."""
@@ -191,8 +158,9 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
             sc.attack.resolve_attackers(fed.num_clients, sc.seed)
         except ValueError as err:
             out.append(("attack", str(err), sc.attack.attacker_ids if sc.attack.attacker_ids is not None else sc.attack.num_attackers))
-    if sc.aggregator.name == "fedma":
-        out += fedma_conflicts(sc)
+    check = AGGREGATORS.get(sc.aggregator.name).capability("scenario_check")
+    if check is not None:  # a protocol's own refusals (FedMA: no codecs, defenses, low rank, ...)
+        out += check(sc)
     if sc.lowrank is not None:
         stateful = [d.name for d in sc.defenses if d.name == "foolsgold"]
         if stateful:

@@ -6,7 +6,7 @@ from typing import Callable
 
 from flwr.clientapp import ClientApp
 
-from fedsim.client_app import make_client_app
+from fedsim.client.app import make_client_app
 
 
 def client_app_with_failures(scenario, before_train: Callable[[int, int], None]) -> ClientApp:

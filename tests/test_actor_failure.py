@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.results import read_rounds
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.engine.simulate import backend_config, simulate
 

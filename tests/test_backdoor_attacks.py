@@ -11,12 +11,12 @@ import torch
 
 from fedsim.attacks.label_flip import LabelFlip, LabelFlipParams
 from fedsim.attacks.trigger import DBAParams, DistributedBackdoor, TriggerBackdoor, TriggerParams, choose_poisoned, stamp, trigger_mask
-from fedsim.client_app import make_client_app
+from fedsim.client.app import make_client_app
 from fedsim.data.base import ArrayDataset
-from fedsim.results import new_run_dir, read_rounds
+from fedsim.runs.results import new_run_dir, read_rounds
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError, validate_scenario
-from fedsim.server_app import run_server
+from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.metrics import CentralEvaluator
+from fedsim.server.evaluation import CentralEvaluator
 from fedsim.models.nets import LeNet
 from fedsim.scenario import load_scenario
 

@@ -12,7 +12,7 @@ import torch
 
 from fedsim.compression import PayloadError
 from fedsim.compression.common import RESIDUAL
-from fedsim.compression.lowrank import orthonormalize
+from fedsim.compression.powersgd import orthonormalize
 from fedsim.compression.ternary import pack_trits, unpack_trits, zero_run_decode, zero_run_encode
 from fedsim.models.layout import ModelLayout
 from fedsim.registry import COMPRESSORS
@@ -429,10 +429,10 @@ QUICK = ["federation.rounds=3", "federation.num_clients=8", "federation.clients_
 
 
 def run(tmp_path, overrides):
-    from fedsim.client_app import make_client_app
-    from fedsim.results import new_run_dir, read_rounds
+    from fedsim.client.app import make_client_app
+    from fedsim.runs.results import new_run_dir, read_rounds
     from fedsim.scenario import load_scenario
-    from fedsim.server_app import run_server
+    from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + overrides)

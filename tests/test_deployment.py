@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fedsim import deploy
-from fedsim.results import read_rounds
+from fedsim.deploy import commands as deploy
+from fedsim.runs.results import read_rounds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[1]
@@ -107,10 +107,10 @@ def wait_summary(cluster: Cluster, timeout: float, run: subprocess.Popen) -> dic
 
 def in_process_rounds(tmp: Path, overrides: list[str]) -> list[dict]:
     """The same scenario and seed on an in-process grid: the metrics every transport must reproduce."""
-    from fedsim.client_app import make_client_app
-    from fedsim.results import new_run_dir
+    from fedsim.client.app import make_client_app
+    from fedsim.runs.results import new_run_dir
     from fedsim.scenario import load_scenario
-    from fedsim.server_app import run_server
+    from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)

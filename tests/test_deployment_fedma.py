@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedsim import deploy
-from fedsim.results import read_rounds
+from fedsim.deploy import commands as deploy
+from fedsim.runs.results import read_rounds
 from test_deployment import REPO, cluster, wait_summary  # noqa: F401  (cluster: the shared fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -35,10 +35,10 @@ def test_fedma_runs_on_superlink_like_in_process(cluster):
     assert summary["rounds_completed"] == 2
     assert all(r["exchanges"] == 3 and r["aggregated"] == [0, 1, 2] and not r["rejected"] for r in rounds)
 
-    from fedsim.client_app import make_client_app
-    from fedsim.results import new_run_dir
+    from fedsim.client.app import make_client_app
+    from fedsim.runs.results import new_run_dir
     from fedsim.scenario import load_scenario
-    from fedsim.server_app import run_server
+    from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario(SCENARIO, OVERRIDES)

@@ -47,7 +47,7 @@ def test_large_arrays_come_back_memory_mapped_read_only(tmp_path, monkeypatch):
     import warnings
 
     import fedsim.diskcache as diskcache
-    from fedsim.metrics import CentralEvaluator
+    from fedsim.server.evaluation import CentralEvaluator
 
     monkeypatch.setenv("FEDSIM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(diskcache, "MMAP_BYTES", 100_000)  # digits' x_train (1437 x 64 float32) is 368 KB

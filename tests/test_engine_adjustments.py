@@ -149,7 +149,7 @@ def test_messages_go_out_largest_client_first():
     from flwr.app import ArrayRecord, ConfigRecord
 
     from fedsim.runtime import runtime_for
-    from fedsim.strategy import ScenarioStrategy
+    from fedsim.server.strategy import ScenarioStrategy
 
     scenario = load_scenario("scenarios/quickstart.yaml", ["attack=null"])
     strategy = ScenarioStrategy(runtime_for(scenario))
@@ -197,7 +197,7 @@ def test_actor_module_is_cheap_to_import():
     """What a client actor imports for its class and its ClientApp leaves flwr.simulation (the
     link state, SQLAlchemy, FastAPI), fedsim's server side and torch (imported with the first message) out."""
     code = ("import sys, fedsim.engine.ray_actor\n"
-            "print(sorted(m for m in ('flwr.simulation', 'sqlalchemy', 'fastapi', 'fedsim.server_app', 'torch')"
+            "print(sorted(m for m in ('flwr.simulation', 'sqlalchemy', 'fastapi', 'fedsim.server.app', 'torch')"
             " if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from fedsim.client_app import make_client_app
-from fedsim.metrics import CentralEvaluator
-from fedsim.results import new_run_dir, read_rounds
+from fedsim.client.app import make_client_app
+from fedsim.server.evaluation import CentralEvaluator
+from fedsim.runs.results import new_run_dir, read_rounds
 from fedsim.scenario import load_scenario
-from fedsim.server_app import run_server
-from fedsim.strategy import ScenarioStrategy
+from fedsim.server.app import run_server
+from fedsim.server.strategy import ScenarioStrategy
 from fedsim.engine.local_grid import LocalGrid
 
 QUICK = ["federation.rounds=4", "federation.num_clients=8", "federation.clients_per_round=4",
@@ -170,7 +170,7 @@ def test_deferred_last_evaluation_completes_after_return(tmp_path, monkeypatch):
     """fedsim's simulation lets the ServerApp return while the last round is evaluated (the engine
     shuts down meanwhile): `drive_server` returns before the last line, and its completion call
     writes it and the summary, the same as `run_server`'s. Without the overlap nothing is deferred."""
-    from fedsim.server_app import drive_server
+    from fedsim.server.app import drive_server
 
     import torch
 

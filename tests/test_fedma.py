@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedsim.aggregators.fedma import (
+from fedsim.fedma.matching import (
     FedMAParams,
     GaussianPrior,
     assign,
@@ -422,6 +422,7 @@ def test_params_defaults_and_registered_as_layerwise():
     layers = permuted_clients(np.random.default_rng(0).standard_normal((3, 4)) * 10, 2, 0.0, 0)[1]
     assert bbp_map_match(layers, **p.match_kwargs()).global_size == 3
     entry = AGGREGATORS.get("fedma")
-    assert entry.obj.layerwise and entry.params is FedMAParams
+    assert entry.capability("protocol") == "fedma" and entry.params is FedMAParams
+    assert entry.capability("strategy").__name__ == "FedMAStrategy" and callable(entry.capability("client_step"))
     with pytest.raises(TypeError, match="layer-wise"):
         entry.obj(torch.zeros(2, 3), torch.ones(2))

@@ -14,14 +14,14 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedsim.client_app import make_client_app
-from fedsim.fedma_arch import ChainArch, state_of
+from fedsim.client.app import make_client_app
+from fedsim.fedma.arch import ChainArch, state_of
 from fedsim.registry import MODELS
-from fedsim.results import new_run_dir, read_rounds
+from fedsim.runs.results import new_run_dir, read_rounds
 from fedsim.runtime import runtime_for
 from fedsim.scenario import ScenarioError, load_scenario
 from fedsim.seeding import INIT, TRAIN, derive_seed
-from fedsim.server_app import run_server
+from fedsim.server.app import run_server
 from fedsim.training import TrainConfig, train
 from fedsim.engine.local_grid import LocalGrid
 
@@ -130,8 +130,8 @@ def test_single_client_with_flat_prior_keeps_its_own_network(tmp_path):
     fed = scenario.federation
     train(local, x, y, TrainConfig(fed.local_epochs, fed.batch_size, fed.lr, fed.momentum, fed.weight_decay),
           derive_seed(scenario.seed, TRAIN, 1, 0, 0))
-    from fedsim.checkpoint import load_server
-    from fedsim.fedma_client import arch_for
+    from fedsim.runs.checkpoint import load_server
+    from fedsim.fedma.client import arch_for
 
     saved = load_server(run_dir, at_most=1)
     arch = arch_for(rt)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedsim.scenario import ScenarioError, load_scenario, read_yaml, validate_scenario
-from fedsim.sweep import expand
+from fedsim.runs.sweep import expand
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p for p in (REPO / "scenarios").rglob("*.yaml"))
@@ -98,8 +98,8 @@ RULES = st.one_of(
 
 
 def run_one_round(rule, per_round: int, min_replies: int):
-    from fedsim.client_app import make_client_app
-    from fedsim.server_app import run_server
+    from fedsim.client.app import make_client_app
+    from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     raw = {"federation": {"num_clients": 12, "clients_per_round": per_round, "rounds": 1, "local_epochs": 1,
@@ -111,7 +111,7 @@ def run_one_round(rule, per_round: int, min_replies: int):
         return None
     import tempfile
 
-    from fedsim.results import new_run_dir, read_rounds
+    from fedsim.runs.results import new_run_dir, read_rounds
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = new_run_dir(scenario, tmp)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedsim.client_app import make_client_app
-from fedsim.results import new_run_dir, read_rounds
+from fedsim.client.app import make_client_app
+from fedsim.runs.results import new_run_dir, read_rounds
 from fedsim.scenario import load_scenario
-from fedsim.server_app import run_server
+from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
 
 D = 4810  # the quickstart MLP

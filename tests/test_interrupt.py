@@ -17,7 +17,7 @@ import pytest
 from flwr.app import Message
 
 from fedsim.engine.interrupt import RunInterrupted, RunStopped, StoppableGrid, on_signals
-from fedsim.results import read_rounds
+from fedsim.runs.results import read_rounds
 
 REPO = Path(__file__).resolve().parents[1]
 FEDSIM = [sys.executable, "-m", "fedsim.cli"]
@@ -143,10 +143,10 @@ def stop_and_check(proc: subprocess.Popen, signum: int, code: int, whole_group: 
 def uninterrupted(tmp_path_factory) -> list[dict]:
     """The small scenario's metrics from an uninterrupted run (in-process grid: the same metrics
     as through Ray, as tests/test_simulation.py and the golden tests check)."""
-    from fedsim.client_app import make_client_app
-    from fedsim.results import new_run_dir
+    from fedsim.client.app import make_client_app
+    from fedsim.runs.results import new_run_dir
     from fedsim.scenario import load_scenario
-    from fedsim.server_app import run_server
+    from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     overrides = [a for a in SMALL if a != "--set"]

@@ -15,7 +15,7 @@ from scipy.linalg import svdvals
 from scipy.signal import lfilter
 from torch import nn
 
-from fedsim.models.lowrank import (
+from fedsim.lowrank.layers import (
     CuttlefishTracker,
     FactorizedConv2d,
     FactorizedLinear,

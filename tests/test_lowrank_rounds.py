@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from fedsim.client_app import make_client_app
-from fedsim.results import new_run_dir, read_rounds
+from fedsim.client.app import make_client_app
+from fedsim.runs.results import new_run_dir, read_rounds
 from fedsim.scenario import ScenarioError, load_scenario
-from fedsim.server_app import run_server
+from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
 
 BASE = ["federation.rounds=5", "federation.num_clients=8", "federation.clients_per_round=4",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.results import read_rounds
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.engine.simulate import backend_config, ray_address, simulate
 from test_deployment import free_port

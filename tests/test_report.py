@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from fedsim.cli import main
-from fedsim.report import find_runs, heatmap_figure, legend_below, run_labels
+from fedsim.runs.report import find_runs, heatmap_figure, legend_below, run_labels
 
 
 def fake_run(folder: Path, name: str, swept: dict | None = None, rounds: int = 5) -> Path:

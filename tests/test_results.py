@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from fedsim.cli import skipped_exit_code
-from fedsim.client_app import make_client_app
-from fedsim.results import every_round_skipped, new_run_dir, read_rounds
+from fedsim.client.app import make_client_app
+from fedsim.runs.results import every_round_skipped, new_run_dir, read_rounds
 from fedsim.scenario import load_scenario
-from fedsim.server_app import run_server
+from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
-from fedsim.client_app import make_client_app
-from fedsim.results import new_run_dir, read_rounds
+from fedsim.client.app import make_client_app
+from fedsim.runs.results import new_run_dir, read_rounds
 from fedsim.scenario import load_scenario
-from fedsim.server_app import run_server
+from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
 
 QUICK = ["federation.rounds=4", "federation.num_clients=8", "federation.clients_per_round=5", "attack.schedule.every=2", "attack.schedule.first=1"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedsim.results import read_rounds
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.engine.simulate import simulate
 

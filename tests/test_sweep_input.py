@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedsim.cli import main
-from fedsim.sweep import MAX_RUNS, expand
+from fedsim.runs.sweep import MAX_RUNS, expand
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "base: {base}\nfederation: {{rounds: 1}}\n"
@@ -38,6 +38,6 @@ def test_values_with_odd_names_and_keys_still_make_run_names(tmp_path):
                     + "sweep:\n  defenses: [[], [{name: norm_clipping, delta: 1.0}]]\n  seed: [0, 1]\n")
     name, runs = expand(path)
     assert len(runs) == 4 and len({r.name for r in runs}) == 4
-    from fedsim.sweep import _token
+    from fedsim.runs.sweep import _token
 
     assert _token({"name": 3, 7: "x"}) == "3-7x" and _token({1: {2: 3}})

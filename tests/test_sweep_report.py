@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from fedsim.client_app import make_client_app
-from fedsim.report import find_runs, markdown_table, write_report
-from fedsim.results import read_rounds
+from fedsim.client.app import make_client_app
+from fedsim.runs.report import find_runs, markdown_table, write_report
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError
-from fedsim.server_app import run_server
-from fedsim.sweep import expand, run_sweep, sweep_dir
+from fedsim.server.app import run_server
+from fedsim.runs.sweep import expand, run_sweep, sweep_dir
 from fedsim.engine.local_grid import LocalGrid
 
 SWEEP = """

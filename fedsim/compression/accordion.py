@@ -28,7 +28,7 @@ from pydantic import Field, model_validator
 
 from fedsim.compression.base import PayloadError
 from fedsim.compression.common import F32, I64, U8, CodecParams, TensorCodec
-from fedsim.compression.lowrank import lowrank_pays, powersgd_decode, powersgd_encode, query_seed
+from fedsim.compression.powersgd import lowrank_pays, powersgd_decode, powersgd_encode, query_seed
 from fedsim.compression.sparse import keep_count, topk_decode, topk_parts
 from fedsim.registry import COMPRESSORS
 

@@ -17,7 +17,7 @@ all here, so that a Flower upgrade means reading one file and running one test
   running app (fedsim's in-process grid). Fallback: none (the in-process grid is for tests and
   benchmarks); the probe says why.
 * `forking-executor`: the SuperNode Runtime API client and `run_clientapp`, which fedsim's forking
-  ClientApp executor uses (fedsim/deploy.py). Fallback: refuse `--executor fork` with the reason;
+  ClientApp executor uses (fedsim/deploy/commands.py). Fallback: refuse `--executor fork` with the reason;
   Flower's own `flower-superexec` still works.
 
 Nothing here changes behaviour by itself: each function returns Flower's object or says it is

@@ -83,7 +83,7 @@ _CLIENT_APPS: dict[str, ClientApp] = {}
 
 def _client_app(scenario_json: str, key: str) -> ClientApp:
     if key not in _CLIENT_APPS:
-        from fedsim.client_app import make_client_app
+        from fedsim.client.app import make_client_app
         from fedsim.runtime import scenario_key
         from fedsim.scenario import validate_scenario
 

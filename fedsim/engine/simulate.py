@@ -67,9 +67,9 @@ from fedsim.engine.interrupt import RunStopped  # noqa: E402
 from fedsim.engine.options import EngineOptions  # noqa: E402
 from fedsim.engine.ray_actor import CompactClientApp, client_actor_class  # noqa: E402
 from fedsim.preflight import preflight  # noqa: E402
-from fedsim.results import new_run_dir  # noqa: E402
+from fedsim.runs.results import new_run_dir  # noqa: E402
 from fedsim.scenario import dump_scenario  # noqa: E402
-from fedsim.server_app import make_server_app  # noqa: E402
+from fedsim.server.app import make_server_app  # noqa: E402
 
 OBJECT_STORE_BYTES = 256 * 1024**2
 

@@ -81,10 +81,10 @@ def strip(rounds: list[dict]) -> list[dict]:
 
 def run_scenario(name: str, parent: Path) -> list[dict]:
     """Run scenario `name` in-process under `parent`; its rounds.jsonl lines without the times."""
-    from fedsim.client_app import make_client_app
-    from fedsim.results import new_run_dir, read_rounds
+    from fedsim.client.app import make_client_app
+    from fedsim.runs.results import new_run_dir, read_rounds
     from fedsim.scenario import load_scenario
-    from fedsim.server_app import run_server
+    from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     path, overrides, kill_after = SCENARIOS[name]

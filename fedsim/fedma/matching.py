@@ -1,8 +1,8 @@
 """FedMA's matching core: BBP-MAP neuron matching and the layer bookkeeping around it (§2).
 
 Pure numpy/scipy functions; the layer-wise protocol (broadcast, freeze, retrain, next layer) is
-driven by `fedsim.fedma_strategy`, several Flower message exchanges per round. FedMA is not an
-[n, d] rule: its registry entry (`aggregator: {name: fedma}`) is marked `layerwise`, and the
+driven by `fedsim.fedma.strategy`, several Flower message exchanges per round. FedMA is not an
+[n, d] rule: its registry entry (`aggregator: {name: fedma}`) declares it a `protocol`, and the
 server picks the FedMA strategy for it.
 
 Conventions:
@@ -418,13 +418,13 @@ def average_last_layer(
     return np.einsum("jc,jch->ch", share, w), (share * b).sum(axis=0)
 
 
-@AGGREGATORS.register("fedma", FedMAParams)
+# A protocol, not an [n, d] rule: its own server strategy, client step and scenario checks.
+@AGGREGATORS.register("fedma", FedMAParams, protocol="fedma", strategy="fedsim.fedma.strategy:FedMAStrategy",
+                      client_step="fedsim.fedma.client:fedma_train", scenario_check="fedsim.fedma.checks:fedma_conflicts")
 def fedma(updates, weights, **params):
     """FedMA matched averaging (Wang et al. 2020): layer-wise BBP-MAP matching with retraining."""
     raise TypeError(
         "fedma is a layer-wise protocol over several message exchanges, not an [n, d] rule; "
-        "the server runs it through fedsim.fedma_strategy.FedMAStrategy"
+        "the server runs it through fedsim.fedma.strategy.FedMAStrategy"
     )
 
-
-fedma.layerwise = True  # the server runs FedMAStrategy for this aggregator

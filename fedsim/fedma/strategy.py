@@ -27,13 +27,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim.aggregators.fedma import average_last_layer, bbp_map_match
-from fedsim.checkpoint import save_server
-from fedsim.fedma_arch import State, num_params
-from fedsim.fedma_client import arch_for, record_to_state, state_to_record
+from fedsim.fedma.matching import average_last_layer, bbp_map_match
+from fedsim.runs.checkpoint import save_server
+from fedsim.fedma.arch import State, num_params
+from fedsim.fedma.client import arch_for, record_to_state, state_to_record
 from fedsim.models.layout import ModelLayout
 from fedsim.seeding import SERVER, derive_seed
-from fedsim.strategy import ScenarioStrategy
+from fedsim.server.strategy import ScenarioStrategy
 from fedsim.compression.base import PayloadError
 from fedsim.wire import MAX_EXAMPLES, message_bytes, records_bytes
 
@@ -60,7 +60,7 @@ class FedMAStrategy(ScenarioStrategy):
         self.grid: Grid | None = None
 
     def _default_widths(self) -> tuple[int, ...]:
-        from fedsim.fedma_arch import resized_default, state_of
+        from fedsim.fedma.arch import resized_default, state_of
 
         spec = self.scenario.model
         model = resized_default(spec.name, self.rt.data.input_shape, self.rt.data.num_classes, spec)

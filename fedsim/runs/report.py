@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fedsim.results import read_rounds
+from fedsim.runs.results import read_rounds
 
 
 def find_runs(paths: list[Path]) -> list[Path]:

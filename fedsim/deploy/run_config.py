@@ -13,7 +13,7 @@ from flwr.app import Context
 
 from fedsim.scenario import load_scenario
 
-APP_DIR = Path(__file__).resolve().parent.parent
+APP_DIR = Path(__file__).resolve().parents[2]  # the repository (the Flower app: pyproject.toml)
 
 
 def scenario_from_context(context: Context):

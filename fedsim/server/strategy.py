@@ -31,11 +31,11 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim.aggregators.base import AggregationError
 from fedsim.attacks.schedules import sample_round
-from fedsim.checkpoint import save_server
+from fedsim.runs.checkpoint import save_server
 from fedsim.compression.base import PayloadError
 from fedsim.engine.options import EngineOptions
-from fedsim.lowrank_switch import LowRankSwitch
-from fedsim.metrics import CentralEvaluator
+from fedsim.lowrank.switch import LowRankSwitch
+from fedsim.server.evaluation import CentralEvaluator
 from fedsim.registry import AGGREGATORS, DEFENSES
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.updates import RoundContext, UpdateBatch
@@ -105,7 +105,8 @@ class ScenarioStrategy(Strategy):
         self.scenario = runtime.scenario
         self.on_round = on_round or (lambda record: None)
         agg = self.scenario.aggregator
-        self.aggregate_rule = AGGREGATORS.get(agg.name).obj
+        self.aggregator_entry = AGGREGATORS.get(agg.name)  # the rule and what it declared (groups, info)
+        self.aggregate_rule = self.aggregator_entry.obj
         self.aggregate_kwargs = component_kwargs(agg)
         self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in self.scenario.defenses]
         self.node_of: dict[int, int] = {}  # partition id -> node id
@@ -258,7 +259,7 @@ class ScenarioStrategy(Strategy):
         redundancy, the shard each member trains on (its group's first member's), so honest
         members of a group compute bit-identical updates."""
         spec = self.scenario.aggregator
-        if not getattr(self.aggregate_rule, "needs_groups", False):
+        if not self.aggregator_entry.capability("needs_groups", False):
             return [], {}
         r = spec.group_size
         starts = list(range(0, max(len(sampled) - r + 1, 1), r))
@@ -356,11 +357,11 @@ class ScenarioStrategy(Strategy):
     def _aggregate(self, batch: UpdateBatch, record: dict) -> torch.Tensor:
         """Run the rule; rules that pick or vote (Krum, DETOX) also report which clients, by id."""
         rule, kwargs = self.aggregate_rule, dict(self.aggregate_kwargs)
-        if getattr(rule, "needs_groups", False):
+        if self.aggregator_entry.capability("needs_groups", False):
             row_of = {pid: i for i, pid in enumerate(batch.client_ids)}
             groups = [[row_of[p] for p in group if p in row_of] for group in record["groups"]]
             kwargs["groups"] = [g for g in groups if g]
-        with_info = getattr(rule, "with_info", None)
+        with_info = self.aggregator_entry.capability("with_info")
         if with_info is None:
             return rule(batch.updates, batch.weights, **kwargs)
         aggregate, info = with_info(batch.updates, batch.weights, **kwargs)

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from fedsim.models.layout import ModelLayout
-from fedsim.models.lowrank import CuttlefishTracker, factorizable_layers, factorize, rank_for_ratio
+from fedsim.lowrank.layers import CuttlefishTracker, factorizable_layers, factorize, rank_for_ratio
 
 log = logging.getLogger("fedsim")
 

@@ -10,8 +10,9 @@ runs in a fresh `flwr-clientapp` process, whatever the isolation mode, and that 
 seconds importing flwr and torch before the ClientApp starts. `serve_clientapps` is an executor
 for `flower-supernode --isolation process` that pays those imports once: it is a long-running
 process that asks the SuperNode's Runtime API for tasks the way `flower-superexec` does, and
-forks a child per message that runs Flower's own `run_clientapp`. One process per message is
-kept (crash isolation, memory returned after every message); only the start-up is shared.
+forks a child per message that runs Flower's own `run_clientapp` (fedsim/deploy/executor.py).
+One process per message is kept (crash isolation, memory returned after every message); only
+the start-up is shared.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-APP_DIR = Path(__file__).resolve().parent.parent
+APP_DIR = Path(__file__).resolve().parents[2]  # the repository (the Flower app: pyproject.toml)
 QUIET_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -186,142 +187,6 @@ def executor_cmd(runtime_api: str, runtime_root_cert: Path | None = None, poll_i
     if runtime_root_cert is not None:
         cmd += ["--runtime-root-cert", str(runtime_root_cert)]
     return cmd
-
-
-class _Stop(Exception):
-    """SIGTERM or SIGINT reached `serve_clientapps`."""
-
-
-def _app_packages() -> set[str]:
-    """Top-level packages of this app (fedsim, attacks, defenses, aggregators, ...)."""
-    return {p.name for p in APP_DIR.iterdir() if (p / "__init__.py").is_file()}
-
-
-def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, poll_interval: float = FAST_POLL_SECONDS,
-                     preload: Sequence[str] = PRELOAD) -> int:
-    """Run ClientApps for a `flower-supernode --isolation process` until SIGTERM/SIGINT; returns 0.
-
-    Why: a fresh `flwr-clientapp` process spends ~2 s importing flwr and ~2 s importing torch
-    (more when a device's cores are shared) before the ClientApp starts, for every message. In
-    flwr 1.41 `flwr-clientapp` handles exactly one message and exits (`run_clientapp` ends in
-    `flwr_exit`), and the warm executor pools of `flower-superexec` exist only for the Kubernetes
-    executor and not for ClientApps. So this executor imports flwr's ClientApp runtime and the
-    `preload` modules once, then, like `flower-superexec`, polls the SuperNode's Runtime API
-    (`AcquireTask`, every `poll_interval` s while idle) and for each task forks a child that runs
-    Flower's `run_clientapp` (through fedsim/engine/flower_compat.py) with the task's token: the same code `flwr-clientapp`
-    runs, so the message, Context, FAB and reply go through the SuperNode exactly as before.
-
-    What the child does not inherit: the app itself. Modules of this app that the parent
-    imported (fedsim.cli, fedsim.deploy) are dropped from `sys.modules` in the child, so the
-    ClientApp is imported from the run's FAB, as `flwr-clientapp` does; only third-party modules
-    are shared. The parent runs no torch computation (no OpenMP pool exists when it forks), and
-    each child exits with `os._exit`, so no handler of the parent runs twice. POSIX only (fork).
-    """
-    import importlib
-    import threading
-    import traceback
-    from logging import ERROR, INFO, WARNING
-
-    from fedsim.engine import flower_compat
-
-    api = flower_compat.runtime_api()  # Flower's SuperNode runtime, non-public: FlowerCompatError if absent
-    log, run_clientapp = api.log, api.run_clientapp
-
-    if not hasattr(os, "fork"):
-        raise RuntimeError("the forking executor needs os.fork (Linux, macOS); use flower-superexec instead")
-    t0 = time.perf_counter()
-    for name in preload:
-        importlib.import_module(name)
-    if threading.active_count() > 1:  # a preloaded module started a thread: a fork copies it locked or not at all
-        log(WARNING, "fedsim executor: %d Python threads after preloading %s; forking may deadlock",
-            threading.active_count(), ",".join(preload))
-    app_packages = _app_packages()
-    certificates = None if runtime_root_cert is None else Path(runtime_root_cert).read_bytes()
-    client = api.connect(runtime_api, certificates)
-    log(INFO, "fedsim executor: Runtime API %s, %d modules preloaded in %.1f s, polling every %.2f s",
-        runtime_api, len(preload), time.perf_counter() - t0, poll_interval)
-
-    executor_pid = os.getpid()
-
-    def on_signal(signum, _frame):  # also interrupts a wait for a SuperNode that is gone (retried forever)
-        if os.getpid() != executor_pid:  # a child that has not yet reset its handlers
-            os._exit(128 + signum)
-        raise _Stop(signum)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    children: dict[int, int] = {}  # pid -> task id
-    request = api.acquire_task_request(supported_task_types=[api.client_app_task_type])
-
-    def reap() -> None:
-        for pid in list(children):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                task_id = children.pop(pid)
-                code = os.waitstatus_to_exitcode(status)
-                if code != 0:
-                    log(WARNING, "fedsim executor: ClientApp process for task %d exited with %d", task_id, code)
-
-    def run_child(token: str) -> None:
-        code = 1
-        try:
-            for sig in previous:
-                signal.signal(sig, signal.SIG_DFL)
-            for name in [m for m in sys.modules if m.partition(".")[0] in app_packages]:
-                del sys.modules[name]  # the ClientApp comes from the FAB, not from this process
-            run_clientapp(runtime_api_address=runtime_api, token=token, insecure=runtime_root_cert is None,
-                          certificates=certificates, parent_pid=os.getppid(), runtime_dependency_install=False)
-            code = 0
-        except SystemExit as ex:  # run_clientapp always ends in flwr_exit -> sys.exit
-            code = ex.code if isinstance(ex.code, int) else (0 if ex.code is None else 1)
-        except BaseException:  # noqa: BLE001 - report anything, then leave without the parent's cleanup
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-    try:
-        while True:
-            reap()
-            response = client.AcquireTask(request)
-            if response.HasField("task") and response.token:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    run_child(response.token)  # never returns
-                children[pid] = response.task.task_id
-                log(INFO, "fedsim executor: task %d -> ClientApp process %d", response.task.task_id, pid)
-                continue  # another task may be waiting already
-            time.sleep(poll_interval)
-    except _Stop:
-        pass
-    except Exception as ex:  # noqa: BLE001 - e.g. the SuperNode refused us: say so, stop the children
-        log(ERROR, "fedsim executor stopped: %r", ex)
-        raise
-    finally:
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
-        client.close()
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + 10
-        while children and time.time() < deadline:
-            reap()
-            time.sleep(0.1)
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    log(INFO, "fedsim executor: stopped")
-    return 0
 
 
 def supervise(commands: Sequence[list[str]], env: dict[str, str] | None = None) -> int:

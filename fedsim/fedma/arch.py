@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fedsim.aggregators.fedma import Kind, neurons_of, permute_next_layer, slice_next_layer, slice_to_client, split_neurons
+from fedsim.fedma.matching import Kind, neurons_of, permute_next_layer, slice_next_layer, slice_to_client, split_neurons
 from fedsim.models.nets import RESIZABLE, resized
 
 State = dict[str, np.ndarray]

@@ -15,7 +15,8 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedsim.checkpoint import load_client, save_client
+from fedsim.runs.checkpoint import load_client, save_client
+from fedsim.registry import AGGREGATORS
 from fedsim.runtime import runtime_for
 from fedsim.seeding import TRAIN, derive_seed
 from fedsim.training import TrainConfig, train
@@ -77,7 +78,7 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
 
 def make_client_app(scenario=None) -> ClientApp:
     """A ClientApp for `scenario` (simulation), or reading it from the run config (deployment)."""
-    from fedsim.deploy_config import scenario_from_context
+    from fedsim.deploy.run_config import scenario_from_context
 
     app = ClientApp()
 
@@ -92,10 +93,9 @@ def make_client_app(scenario=None) -> ClientApp:
         torch.set_num_threads(max(1, int(rt.scenario.federation.client_cpus)))
         pid = partition_id(context)
         config = msg.content["config"]
-        if "fedma-step" in config:  # one exchange of FedMA's layer-wise protocol
-            from fedsim.fedma_client import fedma_train
-
-            return fedma_train(rt, pid, msg, context)
+        protocol_step = AGGREGATORS.get(rt.scenario.aggregator.name).capability("client_step")
+        if protocol_step is not None:  # one exchange of a multi-exchange protocol (FedMA's layer-wise matching)
+            return protocol_step(rt, pid, msg, context)
         rnd = int(config["server-round"])
         layout = rt.layout_for(model_ranks(config))
         global_vec = unpack_model(msg.content["arrays"], layout)

@@ -10,13 +10,13 @@ from typing import Callable
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedsim.checkpoint import client_dir, load_server, server_dir
+from fedsim.runs.checkpoint import client_dir, load_server, server_dir
 from fedsim.engine.interrupt import RunStopped, StoppableGrid
 from fedsim.engine.options import EngineOptions
 from fedsim.registry import AGGREGATORS
-from fedsim.results import append_round, every_round_skipped, new_run_dir, read_rounds, summarize, write_summary
+from fedsim.runs.results import append_round, every_round_skipped, new_run_dir, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
-from fedsim.strategy import ScenarioStrategy
+from fedsim.server.strategy import ScenarioStrategy
 from fedsim.wire import pack_model
 
 log = logging.getLogger("fedsim")
@@ -25,11 +25,7 @@ NodeMap = Callable[[Grid, float], "dict[int, int] | None"]  # (grid, timeout) ->
 
 def strategy_class(scenario) -> type[ScenarioStrategy]:
     """FedMA's layer-wise protocol needs its own strategy; every [n, d] rule runs in ScenarioStrategy."""
-    if getattr(AGGREGATORS.get(scenario.aggregator.name).obj, "layerwise", False):
-        from fedsim.fedma_strategy import FedMAStrategy
-
-        return FedMAStrategy
-    return ScenarioStrategy
+    return AGGREGATORS.get(scenario.aggregator.name).capability("strategy") or ScenarioStrategy
 
 
 def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: bool = False) -> dict:
@@ -125,7 +121,7 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
     replies once the event is set and returns (fedsim.engine.interrupt); `finished` is set when it returns.
     `options` and `node_map` go to `drive_server`.
     """
-    from fedsim.deploy_config import scenario_from_context
+    from fedsim.deploy.run_config import scenario_from_context
 
     app = ServerApp()
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedsim.fedma_arch import ChainArch, State, state_of
+from fedsim.fedma.arch import ChainArch, State, state_of
 from fedsim.seeding import INIT, TRAIN, derive_seed
 from fedsim.training import TrainConfig, train
 

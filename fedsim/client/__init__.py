@@ -1,0 +1,1 @@
+"""The ClientApp: local training for honest clients and attackers, and the encoded upload."""

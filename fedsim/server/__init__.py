@@ -1,0 +1,1 @@
+"""The ServerApp: the strategy that runs a scenario's rounds and the central evaluation."""
