@@ -3,6 +3,9 @@ unpacking them on the other side as untrusted input, and measuring message sizes
 
 from __future__ import annotations
 
+from io import BytesIO
+from math import prod
+
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
@@ -13,6 +16,7 @@ from fedsim.models.layout import ModelLayout
 
 MAX_PAYLOAD_FACTOR = 4  # a payload may be at most this many times the float32 model (plus 1 MiB)
 MAX_EXAMPLES = 2**31 - 1  # an example count above this is not a client's dataset; float32 weights stay exact-ish and finite
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def pack_model(vec: torch.Tensor, layout: ModelLayout) -> ArrayRecord:
@@ -45,11 +49,26 @@ def unpack_payload(record: ArrayRecord, layout: ModelLayout) -> dict[str, np.nda
         raise PayloadError(f"payload of {size} bytes exceeds the limit of {limit} bytes for this model")
     out = {}
     for key, arr in record.items():
+        claimed = npy_nbytes(arr.data)
+        if claimed is not None and claimed > len(arr.data):  # np.load would allocate the claim first
+            raise PayloadError(f"payload array {key!r} claims {claimed} bytes of data but carries {len(arr.data)}")
         try:
             out[key] = arr.numpy()
         except Exception as err:  # truncated or non-numpy bytes
-            raise PayloadError(f"payload array {key!r} does not deserialise: {err}") from None
+            raise PayloadError(f"payload array {key!r} does not deserialise: {excerpt(err)}") from None
     return out
+
+
+def npy_nbytes(data: bytes) -> int | None:
+    """The data size an .npy header claims (shape x itemsize), or None when the header does not parse
+    (np.load then rejects it itself). Read before np.load, which allocates the claimed array up front."""
+    try:
+        buf = BytesIO(data)
+        version = np.lib.format.read_magic(buf)
+        shape, _, dtype = (np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0)(buf)
+        return prod(shape) * dtype.itemsize
+    except Exception:
+        return None
 
 
 def decode_upload(content, codec, layout: ModelLayout) -> tuple[torch.Tensor, float, float]:
@@ -57,22 +76,43 @@ def decode_upload(content, codec, layout: ModelLayout) -> tuple[torch.Tensor, fl
     try:
         if "update" not in content.array_records or "metrics" not in content.metric_records:
             raise PayloadError("reply needs an 'update' ArrayRecord and a 'metrics' MetricRecord")
-        weight = float(content["metrics"]["num-examples"])
-        if not 0 <= weight <= MAX_EXAMPLES:  # NaN fails too
-            raise PayloadError(f"num-examples must be a count in [0, {MAX_EXAMPLES}], got {excerpt(content['metrics']['num-examples'])}")
+        weight = check_count(content["metrics"].get("num-examples"), "num-examples")
+        loss = check_loss(content["metrics"].get("train-loss"))
         update = codec.decode(unpack_payload(content["update"], layout), layout)
-        loss = float(content["metrics"].get("train-loss", float("nan")))
     except PayloadError:
         raise
-    except (KeyError, TypeError, ValueError, OverflowError) as err:  # malformed records from an untrusted client
-        raise PayloadError(f"malformed reply: {excerpt(err)}") from None
+    except Exception as err:  # malformed records from an untrusted client: never a traceback
+        raise PayloadError(f"malformed reply: {type(err).__name__}: {excerpt(err)}") from None
     if update.shape != (layout.dim,) or update.dtype != torch.float32:
-        raise PayloadError(f"decoded update has shape {tuple(update.shape)} / {update.dtype}")
+        raise PayloadError(f"decoded update has shape {tuple(update.shape)} / {update.dtype}, expected ({layout.dim},) / torch.float32")
     if not torch.isfinite(update).all():
         raise PayloadError("update contains NaN or Inf")
     if not torch.isfinite(torch.linalg.vector_norm(update)):  # finite entries whose norm overflows float32
-        raise PayloadError("update norm overflows float32")
+        raise PayloadError("update norm overflows float32 (entries finite, L2 norm is not)")
     return update, weight, loss
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_count(value, what: str) -> float:
+    """An example count: a number in [0, MAX_EXAMPLES] (NaN, inf, 1e39 and 10**30 are not), as a float."""
+    if not is_number(value) or not 0 <= value <= MAX_EXAMPLES:  # compared before float(): 10**400 cannot overflow
+        raise PayloadError(f"{what} must be a count in [0, {MAX_EXAMPLES}], got {excerpt(value)}")
+    return float(value)
+
+
+def check_loss(value) -> float:
+    """The reported training loss: absent or NaN (not measured, e.g. no local steps) reads as NaN;
+    anything else must be a number of magnitude <= float32 max, so the round's mean stays finite."""
+    if value is None:
+        return float("nan")
+    if is_number(value) and value != value:  # NaN
+        return float("nan")
+    if not is_number(value) or not -F32_MAX <= value <= F32_MAX:
+        raise PayloadError(f"train-loss must be a number in [-{F32_MAX:.4g}, {F32_MAX:.4g}] (or NaN), got {excerpt(value)}")
+    return float(value)
 
 
 def excerpt(value, limit: int = 80) -> str:
@@ -97,5 +137,5 @@ def message_bytes(msg: Message) -> int:
     """
     try:
         return recorddict_size(msg.content)
-    except (ValueError, TypeError, OverflowError) as err:
-        raise PayloadError(f"reply does not serialize: {excerpt(err)}") from None
+    except Exception as err:  # whatever the content holds, sizing it never takes the round down
+        raise PayloadError(f"reply does not serialize: {type(err).__name__}: {excerpt(err)}") from None

@@ -120,6 +120,8 @@ def valid_payloads():
 def mutate(draw, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One hostile edit of a valid payload: the ways an untrusted client can lie."""
     payload = dict(payload)
+    if not payload:  # earlier edits dropped every array
+        return {draw(st.text(min_size=1, max_size=8)): np.zeros(draw(st.integers(0, 50)), np.float32)}
     key = draw(st.sampled_from(sorted(payload)))
     arr = payload[key]
     kind = draw(st.sampled_from(["drop", "extra", "truncate", "grow", "dtype", "rank", "random", "values", "ints"]))
@@ -153,21 +155,30 @@ def mutate(draw, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return payload
 
 
-def check_upload(codec, layout, payload, num_examples) -> None:
+LOSSES = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=64),
+                   st.sampled_from([1e39, -1e39, 3.4e38, float("inf"), float("-inf"), 10**30, -(2**63)]))
+COUNTS = st.one_of(st.integers(0, 1000), st.sampled_from([-1, 10**30, 2**63 - 1, 2**31, MAX_EXAMPLES]),
+                   st.sampled_from([1e39, float("nan"), float("inf"), 0.5, -0.0]), st.integers(-(2**70), 2**70))
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_upload(codec, layout, payload, num_examples, loss=0.5) -> None:
     """Decode a reply carrying `payload`: a clean rejection (PayloadError with a reason) or a
-    finite, right-sized update with a bounded weight. Nothing else may come out."""
+    finite, right-sized update with a bounded weight and loss. Nothing else may come out."""
     from types import SimpleNamespace
 
-    content = RecordDict({"update": pack_payload(payload),
-                          "metrics": MetricRecord({"num-examples": num_examples, "train-loss": 0.5})})
+    metrics = {"num-examples": num_examples} | ({} if loss is None else {"train-loss": loss})
+    content = RecordDict({"update": pack_payload(payload), "metrics": MetricRecord(metrics)})
     try:
         message_bytes(SimpleNamespace(content=content))  # only the content is sized
-        update, weight, _ = decode_upload(content, codec, layout)
+        update, weight, got_loss = decode_upload(content, codec, layout)
     except PayloadError as err:
         assert str(err)
         return
-    assert update.shape == (layout.dim,) and torch.isfinite(update).all()
+    assert update.shape == (layout.dim,) and update.dtype == torch.float32 and torch.isfinite(update).all()
     assert torch.isfinite(torch.linalg.vector_norm(update)) and 0 <= weight <= MAX_EXAMPLES
+    assert np.isfinite(np.float32(weight)) and isinstance(weight, float)
+    assert got_loss != got_loss or abs(got_loss) <= F32_MAX  # NaN (not reported) or a bounded number
 
 
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -178,9 +189,9 @@ FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthChe
 @given(data=st.data())
 def test_mutated_payloads_are_decoded_or_cleanly_rejected(valid_payloads, name, data):
     codec, layout, payload = valid_payloads[name]
-    count = data.draw(st.one_of(st.integers(0, 1000), st.sampled_from([-1, 10**30, 2**63 - 1, 2**31]),
-                                st.sampled_from([1e39, float("nan"), float("inf"), 0.5])))
-    check_upload(codec, layout, mutate(data.draw, payload), count)
+    for _ in range(data.draw(st.integers(1, 3))):  # up to three hostile edits at once
+        payload = mutate(data.draw, payload)
+    check_upload(codec, layout, payload, data.draw(COUNTS), data.draw(LOSSES))
 
 
 @pytest.mark.slow
@@ -189,7 +200,89 @@ def test_mutated_payloads_are_decoded_or_cleanly_rejected(valid_payloads, name, 
 @given(data=st.data())
 def test_mutated_payloads_many(valid_payloads, name, data):
     codec, layout, payload = valid_payloads[name]
-    check_upload(codec, layout, mutate(data.draw, payload), data.draw(st.integers(-5, 2**70)))
+    for _ in range(data.draw(st.integers(1, 3))):
+        payload = mutate(data.draw, payload)
+    check_upload(codec, layout, payload, data.draw(COUNTS), data.draw(LOSSES))
+
+
+@pytest.mark.parametrize("loss", [float("inf"), float("-inf"), 1e39, -1e39, 10**39, [0.5]],
+                         ids=["inf", "-inf", "1e39", "-1e39", "10**39", "list"])
+def test_absurd_train_loss_is_rejected(valid_payloads, loss):
+    """An infinite or float32-overflowing loss was accepted and made the round's train_loss inf."""
+    codec, layout, payload = valid_payloads["none"]
+    content = RecordDict({"update": pack_payload(payload), "metrics": MetricRecord({"num-examples": 5, "train-loss": loss})})
+    with pytest.raises(PayloadError, match=r"train-loss must be a number in \[-3.403e\+38, 3.403e\+38\] \(or NaN\), got"):
+        decode_upload(content, codec, layout)
+
+
+@pytest.mark.parametrize("loss", [None, float("nan"), 0.0, 2.5, 3.4e38])
+def test_reported_loss_kept_missing_or_nan_is_nan(valid_payloads, loss):
+    codec, layout, payload = valid_payloads["none"]
+    metrics = {"num-examples": 5} | ({} if loss is None else {"train-loss": loss})
+    _, weight, got = decode_upload(RecordDict({"update": pack_payload(payload), "metrics": MetricRecord(metrics)}), codec, layout)
+    assert weight == 5.0 and (got == loss if loss == loss and loss is not None else got != got)
+
+
+@pytest.mark.parametrize("count", [10**400, 2**31, 1e39, float("nan"), -1, [1, 2]],
+                         ids=["10**400", "2**31", "1e39", "nan", "-1", "list"])
+def test_bad_example_counts_name_the_field_and_range(valid_payloads, count):
+    """10**400 overflowed float() and a list was a TypeError: both surfaced as a bare "malformed reply"."""
+    codec, layout, payload = valid_payloads["none"]
+    metrics = MetricRecord({"num-examples": count})  # as it arrives in simulation, unserialized
+    with pytest.raises(PayloadError, match=rf"num-examples must be a count in \[0, {MAX_EXAMPLES}\], got"):
+        decode_upload(RecordDict({"update": pack_payload(payload), "metrics": metrics}), codec, layout)
+
+
+@pytest.mark.parametrize("name", ["topk", "accordion"])
+def test_repeated_sparse_index_is_rejected(valid_payloads, name):
+    """A top-k payload naming one index twice decoded silently (the scatter's last write won)."""
+    codec, layout, payload = valid_payloads[name]
+    if name == "accordion":  # the top-k flavour of Accordion
+        codec, layout = codec_and_layout("accordion")
+        codec.params = codec.params.model_copy(update={"codec": "topk"})
+        payload, _ = codec.encode(torch.randn(layout.dim) * 0.01, layout, {})
+    key = next(k for k in payload if k.endswith(".i"))
+    payload = dict(payload)
+    payload[key] = payload[key].copy()
+    payload[key][1] = payload[key][0]
+    content = RecordDict({"update": pack_payload(payload), "metrics": MetricRecord({"num-examples": 5})})
+    with pytest.raises(PayloadError, match=rf"indices must be distinct, {int(payload[key][0])} repeats"):
+        decode_upload(content, codec, layout)
+
+
+def test_npy_header_claiming_a_huge_array_is_refused_before_allocating(valid_payloads):
+    """np.load allocates the array its header claims before reading the data: 20 bytes of payload
+    claiming 1 GiB made the server allocate 1 GiB per upload."""
+    import io
+    import tracemalloc
+
+    codec, layout, _ = valid_payloads["none"]
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False, "shape": (2**28,)})
+    lie = Array(dtype="float32", shape=(2**28,), stype="numpy.ndarray", data=head.getvalue() + bytes(20))
+    content = RecordDict({"update": ArrayRecord(array_dict={"delta": lie}), "metrics": MetricRecord({"num-examples": 5})})
+    tracemalloc.start()
+    try:
+        with pytest.raises(PayloadError, match="claims 1073741824 bytes of data but carries"):
+            decode_upload(content, codec, layout)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
+def test_any_exception_inside_a_codec_is_a_rejection_with_its_type():
+    """Only KeyError/TypeError/ValueError/OverflowError were caught: anything else escaped decode_upload."""
+    codec, layout = codec_and_layout("none")
+
+    class Broken(type(codec)):
+        def decode(self, payload, layout):
+            raise RuntimeError("shape '[64, 64]' is invalid for input of size 3")
+
+    content = RecordDict({"update": pack_payload({"delta": np.zeros(layout.dim, np.float32)}),
+                          "metrics": MetricRecord({"num-examples": 5})})
+    with pytest.raises(PayloadError, match="malformed reply: RuntimeError: .*is invalid for input"):
+        decode_upload(content, Broken(codec.params), layout)
 
 
 def test_qsgd_minimum_int_level_is_rejected():
@@ -221,3 +314,31 @@ def test_absurd_example_counts_reject_one_client_and_the_round_goes_on(tmp_path,
     run_server(LocalGrid(make_client_app(scenario), 5, tamper=tamper), scenario, run_dir)
     rounds = read_rounds(run_dir)
     assert all("3" in r["rejected"] and r["aggregated"] == [0, 1, 2, 4] and not r["skipped"] for r in rounds)
+
+
+def test_fedma_upload_with_overflowing_norm_or_infinite_loss_is_rejected(tmp_path):
+    """FedMA's own decode path: finite weights whose L2 norm overflows float32 went into the
+    matching, and an infinite train-loss into the round's mean; each now rejects its client only."""
+    scenario = load_scenario("scenarios/fedma/digits_mlp.yaml", [
+        "federation.num_clients=4", "federation.clients_per_round=4", "federation.rounds=1",
+        "federation.local_epochs=1", "aggregator.retrain_epochs=1", "federation.round_timeout=60",
+    ])
+
+    def tamper(pid, reply):
+        layer = reply.content.array_records.get("layer") if not reply.has_error() else None
+        if layer is None or "class-counts" not in layer:  # only the first exchange (layer 0)
+            return reply
+        if pid == 1:
+            huge = np.full_like(layer["weight"].numpy(), 1e20)  # every entry finite, the norm is not
+            reply.content["layer"] = ArrayRecord({"weight": Array(huge), "bias": layer["bias"],
+                                                  "class-counts": layer["class-counts"]})
+        elif pid == 2:
+            reply.content["metrics"]["train-loss"] = float("inf")
+        return reply
+
+    run_dir = new_run_dir(scenario, tmp_path)
+    run_server(LocalGrid(make_client_app(scenario), 4, tamper=tamper), scenario, run_dir)
+    (r,) = read_rounds(run_dir)
+    assert "layer 0" in r["rejected"]["1"] and "norm overflows float32" in r["rejected"]["1"]
+    assert "layer 0" in r["rejected"]["2"] and "train-loss must be a number" in r["rejected"]["2"]
+    assert r["aggregated"] == [0, 3] and np.isfinite(r["train_loss"])

@@ -120,3 +120,35 @@ def test_too_few_replies_skip_the_round_with_a_message(tmp_path):
             assert r["skipped"] and "min_replies=5" in r["skipped"]
         else:
             assert r["skipped"] is None
+
+
+def _hostile_fields(pid, reply):
+    """Three clients lie in fields a codec does not check: a repeated top-k index, an infinite
+    training loss, an example count finite in float64 but not in float32."""
+    if reply.has_error():
+        return reply
+    if pid == 2:
+        update = {k: v.numpy().copy() for k, v in reply.content["update"].items()}
+        idx = next(k for k in update if k.endswith(".i"))
+        update[idx][1] = update[idx][0]
+        reply.content["update"] = ArrayRecord(array_dict={k: Array(v) for k, v in update.items()})
+    elif pid == 3:
+        reply.content["metrics"]["train-loss"] = float("inf")
+    elif pid == 4:
+        reply.content["metrics"]["num-examples"] = 1e39
+    return reply
+
+
+def test_hostile_metric_and_index_fields_reject_only_their_client(tmp_path):
+    """A repeated top-k index was scattered silently, an inf loss made the round's train_loss inf
+    and 1e39 examples turned every FedAvg weight into inf (the round skipped): now each of these
+    clients is rejected with the field and its allowed range, and the others are aggregated."""
+    rounds, summary, _ = run(tmp_path, ["compression={name: topk, fraction: 0.1}", "attack=null"], _hostile_fields)
+    reasons = {2: "indices must be distinct", 3: "train-loss must be a number in", 4: "num-examples must be a count in [0, 2147483647], got 1e+39"}
+    assert any(set(reasons) & set(r["sampled"]) for r in rounds)
+    for r in rounds:
+        for pid in set(reasons) & set(r["sampled"]):
+            assert reasons[pid] in r["rejected"][str(pid)]
+        assert r["aggregated"] == sorted(set(r["sampled"]) - set(reasons))
+        assert r["skipped"] is None and np.isfinite(r["train_loss"]) and np.isfinite(r["main_loss"])
+    assert summary["rounds_completed"] == 4

@@ -100,7 +100,7 @@ class Accordion(TensorCodec):
         n = sum(1 for shape in layout.shapes if self.compressible(shape))
         levels = reader.get("levels", U8, (n,))
         if n and int(levels.max()) > HIGH:
-            raise PayloadError("accordion levels must be 0 (low) or 1 (high)")
+            raise PayloadError(f"accordion levels must be 0 (low) or 1 (high), got {int(levels.max())}")
         return {"levels": self._by_tensor(layout, levels)}
 
     def _by_tensor(self, layout, levels: np.ndarray) -> dict[int, int]:

@@ -71,16 +71,26 @@ class Reader:
 
 
 def finite_nonneg(arr: np.ndarray, what: str) -> np.ndarray:
-    if not (np.isfinite(arr).all() and (arr >= 0).all()):
-        raise PayloadError(f"{what} must be finite and >= 0")
+    bad = ~(np.isfinite(arr) & (arr >= 0))
+    if bad.any():
+        raise PayloadError(f"{what} must be finite and >= 0, got {arr.reshape(-1)[bad.reshape(-1)][:3].tolist()}")
     return arr
 
 
 def check_indices(idx: np.ndarray, size: int, what: str) -> torch.Tensor:
-    """Indices as int64, after checking 0 <= idx < size."""
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= size):
-        raise PayloadError(f"{what} indices out of range [0, {size})")
-    return torch.from_numpy(idx.astype(np.int64))
+    """Indices as int64, after checking 0 <= idx < size and that none repeats (the encoders never
+    repeat one; a repeated index would make the scatter's result depend on write order)."""
+    if not idx.size:
+        return torch.from_numpy(idx.astype(np.int64))
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= size:
+        raise PayloadError(f"{what} indices out of range [0, {size}), got {lo if lo < 0 else hi}")
+    wide = idx.astype(np.int64)
+    ordered = np.sort(wide)
+    repeat = ordered[1:] == ordered[:-1]
+    if repeat.any():
+        raise PayloadError(f"{what} indices must be distinct, {int(ordered[1:][repeat][0])} repeats")
+    return torch.from_numpy(wide)
 
 
 def next_seed(vec: torch.Tensor, state: dict[str, np.ndarray]) -> int:

@@ -67,8 +67,10 @@ def unpack_levels(arr: np.ndarray, s: int, n: int, what: str) -> torch.Tensor:
         levels = u[:n] - s
     else:
         levels = arr.astype(np.int32)  # wide enough that abs(int8/int16 minimum) cannot wrap around
-    if levels.size and int(np.abs(levels.astype(np.int32)).max()) > s:
-        raise PayloadError(f"{what}: level outside [-{s}, {s}]")
+    if levels.size:
+        worst = int(np.abs(levels.astype(np.int32, copy=False)).max())
+        if worst > s:
+            raise PayloadError(f"{what}: level outside [-{s}, {s}], got magnitude {worst}")
     return torch.from_numpy(levels.astype(np.float32))
 
 

@@ -35,7 +35,7 @@ from fedsim.models.layout import ModelLayout
 from fedsim.seeding import SERVER, derive_seed
 from fedsim.server.strategy import ScenarioStrategy
 from fedsim.compression.base import PayloadError
-from fedsim.wire import MAX_EXAMPLES, message_bytes, records_bytes
+from fedsim.wire import MAX_EXAMPLES, check_loss, excerpt, message_bytes, records_bytes
 
 log = logging.getLogger("fedsim")
 
@@ -228,10 +228,12 @@ class FedMAStrategy(ScenarioStrategy):
                 record["bytes_up_per_client"][pid] = record["bytes_up_per_client"].get(pid, 0) + size
                 out[pid] = self._check_upload(reply.content, l, state, counts, pid)
                 if l == 0:
-                    losses[pid] = float(reply.content["metrics"].get("train-loss", float("nan")))
-            except (UploadError, PayloadError, KeyError, TypeError, ValueError, OverflowError) as err:
+                    losses[pid] = check_loss(reply.content["metrics"].get("train-loss"))
+            except Exception as err:  # an untrusted reply: whatever is wrong with it rejects it, never the round
                 out.pop(pid, None)
-                record["rejected"][pid] = f"layer {l}: {err}"
+                losses.pop(pid, None)
+                reason = str(err) if isinstance(err, (UploadError, PayloadError)) else f"malformed reply: {type(err).__name__}: {excerpt(err)}"
+                record["rejected"][pid] = f"layer {l}: {reason}"
                 log.warning("round %s: rejected FedMA upload from client %s: %s", record["round"], pid, err)
         for pid in expected:
             if pid not in seen:
@@ -258,10 +260,15 @@ class FedMAStrategy(ScenarioStrategy):
             raise UploadError(f"weight {weight.shape} / bias {bias.shape}, expected {want} / {(rows,)}")
         if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
             raise UploadError("weights contain NaN or Inf")
+        with np.errstate(over="ignore"):  # an overflowing norm is the rejection below, not a warning
+            norms_finite = np.isfinite(np.linalg.norm(weight)) and np.isfinite(np.linalg.norm(bias))
+        if not norms_finite:
+            raise UploadError("weight or bias norm overflows float32 (entries finite, L2 norm is not)")
         if l == 0:
             c = arrays.get("class-counts")
             if (c is None or c.shape != (self.rt.data.num_classes,) or not np.isfinite(c).all() or (c < 0).any()
                     or (c > MAX_EXAMPLES).any()):
-                raise UploadError(f"class-counts must be one count in [0, {MAX_EXAMPLES}] per class")
+                raise UploadError(f"class-counts must be one count in [0, {MAX_EXAMPLES}] per class ({self.rt.data.num_classes}), "
+                                  f"got {excerpt(None if c is None else c.reshape(-1)[:8].tolist())}")
             counts[pid] = c.astype(np.float64)
         return {layer.weight: weight, layer.bias: bias}
