@@ -153,7 +153,7 @@ def scenario_list_markdown() -> str:
     """The README's list of ready scenarios, generated from scenarios/."""
     from fedsim.scenario_files import ready_scenarios
 
-    return "".join(f"- `{path}`: {what}\n" for path, what in ready_scenarios())
+    return "".join(f"- `{path}`: {what} — {about}\n" for path, what, about in ready_scenarios())
 
 
 def replace_between(text: str, tag: str, body: str) -> str:
@@ -189,7 +189,9 @@ def cmd_list(args) -> int:
     if args.kind:
         kind = kind_name(args.kind, kinds)
         if kind is None:
-            err_console.print(f"unknown kind {args.kind!r}; allowed: {', '.join(k + 's' for k in kinds)} (or singular)")
+            spelled = [{"edge set": "edge_sets", "lowrank": "lowrank"}.get(k, k + "s") for k in kinds]
+            err_console.print(f"unknown kind {args.kind!r}; allowed: {', '.join(spelled)} (or singular)",
+                              markup=False, highlight=False, soft_wrap=True)
             return 2
         kinds = [kind]
     for kind in kinds:
@@ -197,12 +199,13 @@ def cmd_list(args) -> int:
             from fedsim.scenario_files import ready_scenarios
 
             table = Table(title="ready scenarios (fedsim run PATH, from any folder)")
-            table.add_column("path")
+            table.add_column("path", no_wrap=True)
             table.add_column("name")
-            for path, what in ready_scenarios():
-                table.add_row(path, what)
+            table.add_column("what it is")
+            for row in ready_scenarios():
+                table.add_row(*row)
         else:
-            table = Table(title=f"{kind}s")
+            table = Table(title={"lowrank": "low-rank schemes"}.get(kind, f"{kind}s"))
             table.add_column("YAML name")
             table.add_column("parameters (default)")
             table.add_column("what it is")
@@ -469,7 +472,11 @@ def cmd_deploy(args) -> int:
 def cmd_report(args) -> int:
     from fedsim.runs.report import find_runs, markdown_table, run_labels, write_report
 
-    path = write_report(args.dirs, args.out)
+    try:
+        path = write_report(args.dirs, args.out)
+    except ValueError as err:  # several folders on unrelated trees and no --out
+        err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
+        return 2
     runs = find_runs(args.dirs)
     print(markdown_table(runs, run_labels(runs, args.dirs)))
     console.print(f"report: {path}")

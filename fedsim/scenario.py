@@ -295,7 +295,7 @@ def read_yaml(path: str | Path) -> dict:
     """A scenario file as plain data, refusing anything that could hang or crash what reads it next:
     non-files, over MAX_FILE_BYTES, not UTF-8, not YAML, nested deeper than MAX_DEPTH, or
     expanding (through aliases) to more than MAX_VALUES values."""
-    from fedsim.scenario_files import resolve_scenario_path
+    from fedsim.scenario_files import missing_file_message, resolve_scenario_path
 
     path = resolve_scenario_path(path)
 
@@ -308,9 +308,9 @@ def read_yaml(path: str | Path) -> dict:
         with open(path, "rb") as fh:
             data = fh.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise bad("no such file (nor a ready scenario of that name: `fedsim list scenarios` shows them)") from None
-    except OSError as err:
-        raise bad(f"cannot read: {err.strerror or err}") from None
+        raise bad(missing_file_message(path)) from None
+    except OSError as err:  # also a name too long for the file system
+        raise bad(f"cannot read: {err.strerror or err}", excerpt(str(path))) from None
     if len(data) > MAX_FILE_BYTES:
         raise bad(f"larger than {MAX_FILE_BYTES // 1024} KiB; a scenario file is a page of YAML")
     try:

@@ -17,6 +17,7 @@ from fedsim.models.layout import ModelLayout
 MAX_PAYLOAD_FACTOR = 4  # a payload may be at most this many times the float32 model (plus 1 MiB)
 MAX_EXAMPLES = 2**31 - 1  # an example count above this is not a client's dataset; float32 weights stay exact-ish and finite
 F32_MAX = float(np.finfo(np.float32).max)
+MAX_NORM = F32_MAX**0.5  # an update's L2 norm must stay below this: its float32 sum of squares is then finite
 
 
 def pack_model(vec: torch.Tensor, layout: ModelLayout) -> ArrayRecord:
@@ -55,7 +56,7 @@ def unpack_payload(record: ArrayRecord, layout: ModelLayout) -> dict[str, np.nda
         try:
             out[key] = arr.numpy()
         except Exception as err:  # truncated or non-numpy bytes
-            raise PayloadError(f"payload array {key!r} does not deserialise: {excerpt(err)}") from None
+            raise PayloadError(f"payload array {key!r} does not deserialise: {error_text(err)}") from None
     return out
 
 
@@ -82,13 +83,18 @@ def decode_upload(content, codec, layout: ModelLayout) -> tuple[torch.Tensor, fl
     except PayloadError:
         raise
     except Exception as err:  # malformed records from an untrusted client: never a traceback
-        raise PayloadError(f"malformed reply: {type(err).__name__}: {excerpt(err)}") from None
+        raise PayloadError(f"malformed reply: {error_text(err)}") from None
     if update.shape != (layout.dim,) or update.dtype != torch.float32:
         raise PayloadError(f"decoded update has shape {tuple(update.shape)} / {update.dtype}, expected ({layout.dim},) / torch.float32")
-    if not torch.isfinite(update).all():
-        raise PayloadError("update contains NaN or Inf")
-    if not torch.isfinite(torch.linalg.vector_norm(update)):  # finite entries whose norm overflows float32
-        raise PayloadError("update norm overflows float32 (entries finite, L2 norm is not)")
+    finite = torch.isfinite(update)
+    if not finite.all():
+        bad = (~finite).nonzero()[:, 0]
+        raise PayloadError(f"update has {bad.numel()} NaN/Inf entries (first at index {int(bad[0])}: {float(update[bad[0]])})")
+    # Finite entries whose float32 sum of squares overflows (norm above MAX_NORM): every norm and
+    # distance the defenses and aggregators compute would be inf, so the update is refused here.
+    if not torch.isfinite(torch.linalg.vector_norm(update)):
+        raise PayloadError(f"update L2 norm overflows float32: sum of squares above {F32_MAX:.4g} (allowed norm < {MAX_NORM:.4g}), "
+                           f"largest |entry| {float(update.abs().max()):.4g}")
     return update, weight, loss
 
 
@@ -117,8 +123,16 @@ def check_loss(value) -> float:
 
 def excerpt(value, limit: int = 80) -> str:
     """A bounded rendering of an untrusted value for a rejection reason."""
-    text = repr(value)
+    return clip(repr(value), limit)
+
+
+def clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def error_text(err: BaseException) -> str:
+    """An exception raised by untrusted input, for a rejection reason: its type and bounded message."""
+    return f"{type(err).__name__}: {clip(str(err))}"
 
 
 def records_bytes(records: dict) -> int:
@@ -133,9 +147,36 @@ def message_bytes(msg: Message) -> int:
     Flower's per-message metadata (ids, timestamps, ~100 bytes) is left out: it varies run to run
     with the random node ids and says nothing about the algorithm. A reply that cannot be
     serialized (in simulation nothing serializes replies on the way, so e.g. an integer metric
-    outside int64 arrives as is) could not have crossed a real wire: PayloadError.
+    outside int64 arrives as is) could not have crossed a real wire: PayloadError, naming the
+    record and key the serializer refused. The strategies then count 0 bytes for that reply (the
+    client is absent from `bytes_up_per_client`, like a client whose reply is an error).
     """
     try:
         return recorddict_size(msg.content)
     except Exception as err:  # whatever the content holds, sizing it never takes the round down
-        raise PayloadError(f"reply does not serialize: {type(err).__name__}: {excerpt(err)}") from None
+        raise PayloadError(f"reply does not serialize: {unserializable_entry(msg.content)}{error_text(err)}") from None
+
+
+def unserializable_entry(content, limit: int = 1000) -> str:
+    """"record['key'] = value: " for the first entry the serializer refuses, found by sizing records
+    and then their entries one at a time (only after the whole content failed; at most `limit`
+    records and `limit` entries are tried), or "" when none is found on its own."""
+    try:
+        for name, record in list(content.items())[:limit]:
+            if _sizes(RecordDict({name: record})):
+                continue
+            for key in list(record.keys())[:limit]:
+                if not _sizes(RecordDict({name: type(record)({key: record[key]})})):
+                    return f"{name}[{key!r}] = {excerpt(record[key])}: "
+            return f"{name}: "
+    except Exception:  # content that is not a RecordDict of records at all
+        pass
+    return ""
+
+
+def _sizes(content: RecordDict) -> bool:
+    try:
+        recorddict_size(content)
+        return True
+    except Exception:
+        return False

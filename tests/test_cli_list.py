@@ -28,6 +28,9 @@ def test_unknown_kind_lists_the_allowed_ones(capsys):
     assert main(["list", "gizmos"]) == 2
     err = capsys.readouterr().err
     assert "attacks" in err and "schedules" in err and "scenarios" in err
+    allowed = err.split("allowed: ")[1].split(" (or singular)")[0].split(", ")
+    for word in allowed:  # each as one shell word that `fedsim list` takes
+        assert " " not in word and main(["list", word]) == 0, word
 
 
 def test_round_table_is_not_cut_without_a_terminal():
@@ -60,3 +63,18 @@ def test_every_package_of_the_tree_is_installed():
     found = {".".join(p.parent.relative_to(repo).parts) for p in (repo / "fedsim").rglob("__init__.py")}
     found |= {f"fedsim.{d}" for d in ("aggregators", "attacks", "defenses", "scenarios")}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_list_scenarios_says_what_each_one_is():
+    out = subprocess.run(FEDSIM + ["list", "scenarios"], capture_output=True, text=True)
+    assert "an edge-case backdoor against FedAvg on scikit-learn's digits" in out.stdout, out.stdout
+    assert "Variant: attacker mode `pgd`, no defense." in out.stdout  # the paper variants, told apart
+
+
+def test_a_missing_scenario_names_every_place_looked(tmp_path, monkeypatch):
+    from fedsim.scenario_files import missing_file_message, scenarios_dir
+
+    monkeypatch.chdir(tmp_path)
+    message = missing_file_message("scenarios/paper/nothere")
+    assert str(tmp_path / "scenarios" / "paper" / "nothere") in message
+    assert str(scenarios_dir() / "paper" / "nothere.yaml") in message and "fedsim list scenarios" in message

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from fedsim.cli import main
-from fedsim.runs.report import find_runs, heatmap_figure, legend_below, run_labels
+from fedsim.runs.report import bytes_figure, curves_figure, default_out, find_runs, heatmap_figure, legend_below, run_labels
 
 
 def fake_run(folder: Path, name: str, swept: dict | None = None, rounds: int = 5) -> Path:
@@ -53,6 +53,11 @@ def test_report_goes_inside_the_reported_folder(tmp_path, monkeypatch, capsys):
     assert (root / "report" / "curves.png").exists() and (root / "report" / "heatmap_peak_backdoor.png").exists()
 
 
+def test_several_folders_report_into_their_common_parent_never_the_root(tmp_path):
+    assert default_out([tmp_path / "results" / "a", tmp_path / "results" / "b"]) == (tmp_path / "results" / "report").resolve()
+    assert default_out([Path("/srv/results/a"), Path("/home/me/results/b")]) is None  # not /report: --out is needed
+
+
 def test_legend_is_outside_every_plot():
     import matplotlib
 
@@ -77,3 +82,38 @@ def test_heatmap_fills_its_canvas_and_labels_its_colour_bar(tmp_path):
     w, h = fig.get_size_inches() * fig.dpi
     extent = cells.get_window_extent()
     assert extent.width * extent.height / (w * h) > 0.35
+
+
+def test_heatmap_of_a_results_folder_leaves_out_runs_outside_the_sweep(tmp_path):
+    root = results(tmp_path)  # two plain quickstart runs beside the sweep: no "None" row or column
+    fig = heatmap_figure(find_runs([root]))
+    cells = fig.axes[0]
+    assert [t.get_text() for t in cells.get_xticklabels()] == ["blackbox", "pgd"]
+    assert [t.get_text() for t in cells.get_yticklabels()] == ["clip", "none"]
+
+
+def look(handle) -> tuple:
+    """What tells a legend entry apart: a line's colour and dashes, a scatter's colour and marker."""
+    if hasattr(handle, "get_xdata"):
+        return str(handle.get_color()), str(handle.get_linestyle())
+    return str(handle.get_facecolor().tolist()), str(handle.get_paths()[0].vertices.round(3).tolist())
+
+
+def test_report_figures_keep_long_legends_whole_and_runs_apart(tmp_path):
+    """A results folder's labels are long paths: the legend stays inside the canvas, below the
+    plots, and run 11 does not look like run 1 (matplotlib has 10 colours)."""
+    import matplotlib.pyplot as plt
+
+    root = tmp_path / "results"
+    for i in range(14):
+        fake_run(root / "tails_modes_x_defenses-20261124-101010" / f"attack.mode=pgd_replacement__defenses=run{i:02d}",
+                 "x", {"attack.mode": "pgd_replacement", "defenses": f"run{i:02d}"})
+    runs = find_runs([root])
+    for fig in (curves_figure(runs, run_labels(runs, [root])), bytes_figure(runs, run_labels(runs, [root]))):
+        fig.canvas.draw()
+        box, canvas = fig.legends[0].get_window_extent(), fig.bbox
+        assert box.x0 >= canvas.x0 and box.x1 <= canvas.x1 and box.y0 >= canvas.y0, (box, canvas)
+        assert all(not box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+        looks = {look(h) for h in fig.legends[0].legend_handles}
+        assert len(looks) == 14
+        plt.close(fig)

@@ -41,3 +41,14 @@ def test_values_with_odd_names_and_keys_still_make_run_names(tmp_path):
     from fedsim.runs.sweep import _token
 
     assert _token({"name": 3, 7: "x"}) == "3-7x" and _token({1: {2: 3}})
+
+
+@pytest.mark.parametrize("base,needle", [("[null, {a: 1}]", "a path to the scenario"), ("x" * 5000, "cannot read")])
+def test_a_base_that_is_not_a_readable_path_is_refused(tmp_path, capsys, base, needle):
+    """Found by the slow fuzzing step: a `base:` list (or a name too long for the file system)
+    escaped as OSError: File name too long."""
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {base}\nsweep:\n  seed: [0, 1]\n")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err) < 3000

@@ -35,7 +35,7 @@ from fedsim.models.layout import ModelLayout
 from fedsim.seeding import SERVER, derive_seed
 from fedsim.server.strategy import ScenarioStrategy
 from fedsim.compression.base import PayloadError
-from fedsim.wire import MAX_EXAMPLES, check_loss, excerpt, message_bytes, records_bytes
+from fedsim.wire import MAX_EXAMPLES, check_loss, error_text, excerpt, message_bytes, records_bytes
 
 log = logging.getLogger("fedsim")
 
@@ -232,7 +232,7 @@ class FedMAStrategy(ScenarioStrategy):
             except Exception as err:  # an untrusted reply: whatever is wrong with it rejects it, never the round
                 out.pop(pid, None)
                 losses.pop(pid, None)
-                reason = str(err) if isinstance(err, (UploadError, PayloadError)) else f"malformed reply: {type(err).__name__}: {excerpt(err)}"
+                reason = str(err) if isinstance(err, (UploadError, PayloadError)) else f"malformed reply: {error_text(err)}"
                 record["rejected"][pid] = f"layer {l}: {reason}"
                 log.warning("round %s: rejected FedMA upload from client %s: %s", record["round"], pid, err)
         for pid in expected:

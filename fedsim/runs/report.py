@@ -40,14 +40,15 @@ def run_label(run: Path) -> str:
     return Path(run).name
 
 
-def default_out(paths: list[Path]) -> Path:
+def default_out(paths: list[Path]) -> Path | None:
     """Where a report goes without --out: `report/` inside the one folder reported on, or inside
-    the folders' common parent."""
+    the folders' common parent; None when that parent is the filesystem root (give --out)."""
     import os
 
     if len(paths) == 1:
         return Path(paths[0]) / "report"
-    return Path(os.path.commonpath([str(Path(p).resolve()) for p in paths])) / "report"
+    common = Path(os.path.commonpath([str(Path(p).resolve()) for p in paths]))
+    return None if common == Path(common.anchor) else common / "report"
 
 
 def swept_values(run: Path) -> dict:
@@ -131,7 +132,10 @@ def heatmap_figure(runs: list[Path], metric: str = "peak_backdoor"):
     kx, ky = keys[0], keys[1]
     cells: dict[tuple[str, str], list[float]] = {}
     for run in runs:
-        sw, value = swept_values(run), run_row(run)[metric]
+        sw = swept_values(run)
+        if kx not in sw or ky not in sw:  # a run outside the sweep (a results folder holds both)
+            continue
+        value = run_row(run)[metric]
         if value is not None:
             cells.setdefault((_short(sw.get(ky)), _short(sw.get(kx))), []).append(value)
     if not cells:
@@ -159,17 +163,33 @@ def heatmap_figure(runs: list[Path], metric: str = "peak_backdoor"):
 
 
 def legend_below(fig, axes_list, handles, names) -> None:
-    """One legend for the figure, in columns below the plots, so it never covers the data."""
-    ncol = min(3, max(1, len(names)))
-    rows = -(-len(names) // ncol)
-    extra = 0.22 * rows + 0.3  # inches for the legend
+    """One legend for the figure, below the plots, so it never covers the data; as many columns
+    (up to 3) as fit the figure's width, and a wider figure when one column of the longest label
+    does not fit (run labels are paths below the reported folder and can be long)."""
     width, height = fig.get_size_inches()
+    renderer = fig.canvas.get_renderer()
+    legend = None
+    for ncol in range(min(3, max(1, len(names))), 0, -1):
+        if legend is not None:
+            legend.remove()
+        legend = fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+        if legend.get_window_extent(renderer).width / fig.dpi <= width - 0.2:
+            break
+    box = legend.get_window_extent(renderer)
+    width = max(width, box.width / fig.dpi + 0.3)
+    extra = box.height / fig.dpi + 0.15  # inches for the legend, below the plots
     fig.set_size_inches(width, height + extra)
-    fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, extra / (height + extra), 1, 1))
 
 
-def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = None) -> list[Path]:
+def run_style(i: int) -> dict:
+    """Colour and line/marker style of the i-th run: matplotlib's 10 colours, then other dashes
+    and markers, so runs 1 and 11 never look alike."""
+    return {"color": f"C{i % 10}", "linestyle": ["-", "--", ":", "-."][i // 10 % 4],
+            "marker": ["o", "s", "^", "D"][i // 10 % 4]}
+
+
+def curves_figure(runs: list[Path], labels: dict[Path, str] | None = None):
     """Main accuracy and backdoor success per round, one line per run; attack rounds marked."""
     import matplotlib
 
@@ -182,19 +202,31 @@ def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = No
     fig, axes = plt.subplots(1, 2 if targeted else 1, figsize=(12 if targeted else 7, 4.2), squeeze=False)
     ax_acc = axes[0][0]
     handles = []
-    for run, rounds in all_rounds.items():
+    for i, (run, rounds) in enumerate(all_rounds.items()):
+        style = run_style(i)
         xs = [r["round"] for r in rounds]
-        line, = ax_acc.plot(xs, [r.get("main_accuracy") for r in rounds])
+        line, = ax_acc.plot(xs, [r.get("main_accuracy") for r in rounds], color=style["color"], linestyle=style["linestyle"])
         handles.append(line)
         if targeted:
-            axes[0][1].plot(xs, [r.get("backdoor_success") for r in rounds], color=line.get_color())
+            axes[0][1].plot(xs, [r.get("backdoor_success") for r in rounds], color=style["color"], linestyle=style["linestyle"])
             hits = [r for r in rounds if r.get("attackers") and r.get("backdoor_success") is not None]
-            axes[0][1].plot([r["round"] for r in hits], [r["backdoor_success"] for r in hits], "o",
-                            color=line.get_color(), markersize=3)
+            axes[0][1].plot([r["round"] for r in hits], [r["backdoor_success"] for r in hits], style["marker"],
+                            color=style["color"], markersize=3)
     ax_acc.set(xlabel="round", ylabel="main-task accuracy", title="main task")
     if targeted:
         axes[0][1].set(xlabel="round", ylabel="backdoor success rate", title="backdoor (dots: attack rounds)", ylim=(-0.02, 1.02))
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes[0]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     legend_below(fig, axes[0], handles, [labels[run] for run in all_rounds])
+    return fig
+
+
+def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = None) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(runs, labels)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "curves.png"
     fig.savefig(path, dpi=110)
@@ -202,7 +234,8 @@ def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = No
     return [path]
 
 
-def plot_bytes_vs_accuracy(runs: list[Path], out: Path, labels: dict[Path, str] | None = None) -> Path:
+def bytes_figure(runs: list[Path], labels: dict[Path, str] | None = None):
+    """Final main accuracy against the MB each run uploaded, one point per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,11 +244,19 @@ def plot_bytes_vs_accuracy(runs: list[Path], out: Path, labels: dict[Path, str] 
     labels = labels or {run: run_label(run) for run in runs}
     fig, ax = plt.subplots(figsize=(6, 4.2))
     handles = []
-    for run in runs:
-        rows = run_row(run)
-        handles.append(ax.scatter(rows["mb_up"], rows["final_acc"]))
+    for i, run in enumerate(runs):
+        rows, style = run_row(run), run_style(i)
+        handles.append(ax.scatter(rows["mb_up"], rows["final_acc"], color=style["color"], marker=style["marker"]))
     ax.set(xlabel="MB uploaded (total)", ylabel="final main accuracy")
     legend_below(fig, [ax], handles, [labels[run] for run in runs])
+    return fig
+
+
+def plot_bytes_vs_accuracy(runs: list[Path], out: Path, labels: dict[Path, str] | None = None) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = bytes_figure(runs, labels)
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "bytes_vs_accuracy.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -230,6 +271,8 @@ def write_report(paths: list[Path], out: Path | None = None) -> Path:
     if not runs:
         raise FileNotFoundError(f"no run folders (with rounds.jsonl) under {', '.join(map(str, paths))}")
     out = default_out(paths) if out is None else Path(out)
+    if out is None:
+        raise ValueError(f"{', '.join(map(str, paths))} share no folder but the root: say where the report goes with --out")
     labels = run_labels(runs, paths)
     out.mkdir(parents=True, exist_ok=True)
     plots = plot_curves(runs, out, labels) + [plot_bytes_vs_accuracy(runs, out, labels)]

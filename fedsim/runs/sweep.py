@@ -99,7 +99,9 @@ def expand(path: str | Path, overrides: list[str] | None = None) -> tuple[str, l
     path = resolve_scenario_path(path)  # a ready sweep by name, from any folder
     raw = read_yaml(path)
     if isinstance(raw, dict) and "base" in raw:
-        base_path = Path(path).parent / str(raw.pop("base"))
+        if not isinstance(raw["base"], str):
+            raise ScenarioError(str(path), [("base", "a path to the scenario this sweep starts from (text)", raw["base"])])
+        base_path = Path(path).parent / raw.pop("base")
         raw = deep_merge(read_yaml(base_path), raw)
     if not isinstance(raw, dict) or not isinstance(raw.get("sweep"), dict) or not raw["sweep"]:
         raise ScenarioError(str(path), [("sweep", "a sweep file needs a `sweep:` mapping of KEY: [values]", raw.get("sweep") if isinstance(raw, dict) else raw)])
