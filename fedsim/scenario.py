@@ -183,7 +183,7 @@ def build_scenario_model() -> type[BaseModel]:
 
     class Scenario(Section):
         name: str = Field("scenario", pattern=r"^[A-Za-z0-9_.-]+$")
-        seed: int = 0
+        seed: int = Field(0, ge=0, le=2**32 - 1, description="fixes every random stream (a 32-bit seed, as torch and numpy take)")
         data: DataSection = Field(default_factory=DataSection)
         model: Model = "mlp"
         init: InitSection = Field(default_factory=InitSection)

@@ -111,6 +111,8 @@ def test_cli_validate_prints_resolved(capsys):
     ({"federation": {"client_cpus": float("inf")}}, "federation.client_cpus", "finite"),
     ({"defenses": [{"name": "norm_clipping", "delta": float("nan")}]}, "defenses.0.norm_clipping.delta", "finite"),
     ({"federation": {"num_clients": 10**30}, "attack": "edge_case"}, "federation.num_clients", "less than or equal"),
+    ({"seed": 2**70}, "seed", "less than or equal"),  # validated, then crashed the run (found by a helper's probe)
+    ({"seed": -1}, "seed", "greater than or equal"),  # was reported as "attack: expected non-negative integer"
 ])
 def test_dead_on_arrival_scenarios_are_refused(raw, path, needle):
     got = problems(raw)
