@@ -4,13 +4,14 @@ unpacking them on the other side as untrusted input, and measuring message sizes
 from __future__ import annotations
 
 from io import BytesIO
+from itertools import islice
 from math import prod
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-from fedsim.compression.base import PayloadError
+from fedsim.compression.base import PayloadError, clip, excerpt
 from fedsim.engine.flower_compat import recorddict_size
 from fedsim.models.layout import ModelLayout
 
@@ -52,11 +53,11 @@ def unpack_payload(record: ArrayRecord, layout: ModelLayout) -> dict[str, np.nda
     for key, arr in record.items():
         claimed = npy_nbytes(arr.data)
         if claimed is not None and claimed > len(arr.data):  # np.load would allocate the claim first
-            raise PayloadError(f"payload array {key!r} claims {claimed} bytes of data but carries {len(arr.data)}")
+            raise PayloadError(f"payload array {excerpt(key)} claims {claimed} bytes of data but carries {len(arr.data)}")
         try:
             out[key] = arr.numpy()
         except Exception as err:  # truncated or non-numpy bytes
-            raise PayloadError(f"payload array {key!r} does not deserialise: {error_text(err)}") from None
+            raise PayloadError(f"payload array {excerpt(key)} does not deserialise: {error_text(err)}") from None
     return out
 
 
@@ -121,15 +122,6 @@ def check_loss(value) -> float:
     return float(value)
 
 
-def excerpt(value, limit: int = 80) -> str:
-    """A bounded rendering of an untrusted value for a rejection reason."""
-    return clip(repr(value), limit)
-
-
-def clip(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def error_text(err: BaseException) -> str:
     """An exception raised by untrusted input, for a rejection reason: its type and bounded message."""
     return f"{type(err).__name__}: {clip(str(err))}"
@@ -158,17 +150,17 @@ def message_bytes(msg: Message) -> int:
 
 
 def unserializable_entry(content, limit: int = 1000) -> str:
-    """"record['key'] = value: " for the first entry the serializer refuses, found by sizing records
-    and then their entries one at a time (only after the whole content failed; at most `limit`
-    records and `limit` entries are tried), or "" when none is found on its own."""
+    """The prefix "record['key'] = value: " naming the first entry the serializer refuses, found by
+    sizing the records and then that record's entries one at a time (only once the whole content
+    has failed; at most `limit` of each are tried); "" when no single entry fails on its own."""
     try:
-        for name, record in list(content.items())[:limit]:
+        for name, record in islice(content.items(), limit):
             if _sizes(RecordDict({name: record})):
                 continue
-            for key in list(record.keys())[:limit]:
+            for key in islice(record.keys(), limit):
                 if not _sizes(RecordDict({name: type(record)({key: record[key]})})):
-                    return f"{name}[{key!r}] = {excerpt(record[key])}: "
-            return f"{name}: "
+                    return f"{clip(name)}[{excerpt(key)}] = {excerpt(record[key])}: "
+            return f"{clip(name)}: "
     except Exception:  # content that is not a RecordDict of records at all
         pass
     return ""

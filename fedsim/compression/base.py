@@ -21,10 +21,20 @@ class PayloadError(ValueError):
     """A client upload that cannot be decoded (wrong arrays, dtype or shape)."""
 
 
+def excerpt(value, limit: int = 80) -> str:
+    """A bounded rendering of an untrusted value (a key, a number, a list of names) for a rejection
+    reason: whatever a client sends, the reason written to rounds.jsonl stays short."""
+    return clip(repr(value), limit)
+
+
+def clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def expect_array(payload: dict[str, np.ndarray], key: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """Fetch `payload[key]`, insisting on its dtype and shape before anything else touches it."""
     if key not in payload:
-        raise PayloadError(f"payload lacks array {key!r} (has {sorted(payload)})")
+        raise PayloadError(f"payload lacks array {key!r} (has {excerpt(sorted(payload))})")
     arr = payload[key]
     if arr.dtype != dtype:
         raise PayloadError(f"payload array {key!r} has dtype {arr.dtype}, expected {np.dtype(dtype)}")

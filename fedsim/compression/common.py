@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedsim.compression.base import Codec, PayloadError, expect_array
+from fedsim.compression.base import Codec, PayloadError, excerpt, expect_array
 from fedsim.models.layout import ModelLayout
 from fedsim.registry import Params
 from fedsim.seeding import derive_seed
@@ -67,7 +67,7 @@ class Reader:
     def finish(self) -> None:
         extra = sorted(set(self.payload) - self.used)
         if extra:
-            raise PayloadError(f"payload has unexpected arrays {extra[:5]}")
+            raise PayloadError(f"payload has unexpected arrays {excerpt(extra[:5])}")
 
 
 def finite_nonneg(arr: np.ndarray, what: str) -> np.ndarray:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from fedsim.compression.base import Codec, expect_array
+from fedsim.compression.base import Codec
+from fedsim.compression.common import F32, Reader
 from fedsim.registry import COMPRESSORS, Params
 
 
@@ -21,4 +21,7 @@ class Uncompressed(Codec):
         return {"delta": delta.detach().to(torch.float32).numpy()}, state
 
     def decode(self, payload, layout):
-        return torch.from_numpy(expect_array(payload, "delta", np.dtype(np.float32), (layout.dim,)).copy())
+        reader = Reader(payload)
+        delta = torch.from_numpy(reader.get("delta", F32, (layout.dim,)).copy())
+        reader.finish()  # arrays beside "delta" are refused, as by every other codec
+        return delta

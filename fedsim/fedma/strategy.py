@@ -246,10 +246,10 @@ class FedMAStrategy(ScenarioStrategy):
         try:
             arrays = record_to_state(content["layer"])
         except Exception as err:  # missing record, non-numpy bytes
-            raise UploadError(f"reply needs a 'layer' ArrayRecord of arrays ({err!r})") from None
+            raise UploadError(f"reply needs a 'layer' ArrayRecord of arrays ({error_text(err)})") from None
         weight, bias = arrays.get("weight"), arrays.get("bias")
         if weight is None or bias is None:
-            raise UploadError(f"missing weight or bias, got {sorted(arrays)}")
+            raise UploadError(f"missing weight or bias, got {excerpt(sorted(arrays))}")
         last = l == self.arch.num_matched
         rows = weight.shape[0] if weight.ndim else 0
         cap = ROW_CAP_FACTOR * max(self.params.max_neurons, self.template[layer.weight][0])
