@@ -95,14 +95,15 @@ def quickstart_accuracy(name: str, params: dict, rounds: int) -> tuple[float, fl
     from fedsim.engine.local_grid import LocalGrid
 
     from fedsim.client.app import make_client_app
-    from fedsim.runs.results import new_run_dir, read_rounds
+    from fedsim.runs.folder import RunFolder
+    from fedsim.runs.results import read_rounds
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
 
     spec = "{" + ", ".join([f"name: {name}"] + [f"{k}: {v}" for k, v in params.items()]) + "}"
     scenario = load_scenario(_HERE.parent / "scenarios/quickstart.yaml", [f"federation.rounds={rounds}", f"compression={spec}"])
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = new_run_dir(scenario, tmp)
+        run_dir = RunFolder.create(scenario, tmp).path
         run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients), scenario, run_dir)
         rows = read_rounds(run_dir)
     return rows[-1]["main_accuracy"], rows[-1].get("backdoor_success"), sum(r["bytes_up"] for r in rows)

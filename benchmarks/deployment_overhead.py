@@ -245,13 +245,14 @@ def in_process(args) -> dict:
     from fedsim.engine.local_grid import LocalGrid
 
     from fedsim.client.app import make_client_app
-    from fedsim.runs.results import new_run_dir, read_rounds
+    from fedsim.runs.folder import RunFolder
+    from fedsim.runs.results import read_rounds
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     scenario = load_scenario(args.app_dir / "scenarios/quickstart.yaml", OVERRIDES + [f"federation.rounds={args.rounds}"])
-    folder = new_run_dir(scenario, Path(tempfile.mkdtemp(prefix="fedsim-deploy-bench-local-")))
+    folder = RunFolder.create(scenario, Path(tempfile.mkdtemp(prefix="fedsim-deploy-bench-local-"))).path
     run_server(LocalGrid(make_client_app(scenario), 3), scenario, folder)
     rounds = read_rounds(folder)
     return {"rounds": [r["wall_seconds"] for r in rounds], "metrics": strip(rounds)}

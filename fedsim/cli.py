@@ -220,7 +220,8 @@ def cmd_run(args) -> int:
 
     from fedsim.engine.interrupt import RunInterrupted, RunStopped, on_signals
 
-    from fedsim.runs.results import new_run_dir, read_rounds
+    from fedsim.runs.folder import RunFolder
+    from fedsim.runs.results import read_rounds
     from fedsim.scenario import ScenarioError, load_scenario
 
     if args.resume is not None:
@@ -239,7 +240,7 @@ def cmd_run(args) -> int:
     with on_signals(stop) as signals:
         try:
             if args.resume is None:
-                run_dir = new_run_dir(scenario, args.output)
+                run_dir = RunFolder.create(scenario, args.output).path
             from fedsim.engine.simulate import simulate  # imports flwr/ray: after the scenario is known to be valid
 
             columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -440,7 +441,8 @@ def cmd_deploy(args) -> int:
     elif args.role == "supernode":
         key = args.auth_key if args.auth_key is not None else (None if certs is None else certs / f"node{args.partition}_key")
         cmds.append(deploy.supernode_cmd(args.partition, args.num_partitions, args.superlink, args.node_port,
-                                         None if tls is None else tls.ca_cert, key, args.data_dir, isolation=args.isolation))
+                                         None if tls is None else tls.ca_cert, key, args.data_dir, isolation=args.isolation,
+                                         state_dir=args.state_dir))
         if args.isolation == "process" and args.executor == "fork":
             from fedsim.engine import flower_compat
 
@@ -523,6 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--node-port", type=int, default=None, help="this SuperNode's local port (default 9094 + partition)")
     dep.add_argument("--auth-key", type=Path, default=None, help="this SuperNode's private key (default certs/node<i>_key)")
     dep.add_argument("--data-dir", type=Path, default=None, help="this device's data folder")
+    dep.add_argument("--state-dir", type=Path, default=None,
+                     help="supernode: folder for the ClientApp's memory between rounds (error feedback), kept across restarts")
     dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     dep.add_argument("--output", type=Path, default=None, help="parent of the run folder (on the ServerApp's machine)")
     dep.add_argument("--isolation", choices=["subprocess", "process"], default="subprocess",

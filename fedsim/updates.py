@@ -37,3 +37,4 @@ class RoundContext:
     global_weights: torch.Tensor  # [d] flat global model the updates are relative to
     layout: ModelLayout
     generator: torch.Generator  # seeded from (scenario seed, round): use it for all randomness
+    previous_aggregate: torch.Tensor | None = None  # [d] the update applied last round (None in the first)

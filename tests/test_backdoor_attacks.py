@@ -13,7 +13,8 @@ from fedsim.attacks.label_flip import LabelFlip, LabelFlipParams
 from fedsim.attacks.trigger import DBAParams, DistributedBackdoor, TriggerBackdoor, TriggerParams, choose_poisoned, stamp, trigger_mask
 from fedsim.client.app import make_client_app
 from fedsim.data.base import ArrayDataset
-from fedsim.runs.results import new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import read_rounds
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError, validate_scenario
 from fedsim.server.app import run_server
@@ -247,7 +248,7 @@ def test_numeric_scale_multiplies_and_default_keeps_the_update():
 # --------------------------------------------------------------------------- whole runs
 def run(tmp_path, attack, seed=0):
     scen = scenario(attack, seed)
-    run_dir = new_run_dir(scen, tmp_path)
+    run_dir = RunFolder.create(scen, tmp_path).path
     summary = run_server(LocalGrid(make_client_app(scen), scen.federation.num_clients), scen, run_dir)
     return read_rounds(run_dir), summary
 

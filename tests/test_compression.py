@@ -430,13 +430,14 @@ QUICK = ["federation.rounds=3", "federation.num_clients=8", "federation.clients_
 
 def run(tmp_path, overrides):
     from fedsim.client.app import make_client_app
-    from fedsim.runs.results import new_run_dir, read_rounds
+    from fedsim.runs.folder import RunFolder
+    from fedsim.runs.results import read_rounds
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + overrides)
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     summary = run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients), scenario, run_dir)
     return read_rounds(run_dir), summary
 

@@ -108,13 +108,13 @@ def wait_summary(cluster: Cluster, timeout: float, run: subprocess.Popen) -> dic
 def in_process_rounds(tmp: Path, overrides: list[str]) -> list[dict]:
     """The same scenario and seed on an in-process grid: the metrics every transport must reproduce."""
     from fedsim.client.app import make_client_app
-    from fedsim.runs.results import new_run_dir
+    from fedsim.runs.folder import RunFolder
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)
-    local_dir = new_run_dir(scenario, tmp / "local")
+    local_dir = RunFolder.create(scenario, tmp / "local").path
     run_server(LocalGrid(make_client_app(scenario), 3), scenario, local_dir)
     return read_rounds(local_dir)
 

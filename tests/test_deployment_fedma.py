@@ -36,13 +36,13 @@ def test_fedma_runs_on_superlink_like_in_process(cluster):
     assert all(r["exchanges"] == 3 and r["aggregated"] == [0, 1, 2] and not r["rejected"] for r in rounds)
 
     from fedsim.client.app import make_client_app
-    from fedsim.runs.results import new_run_dir
+    from fedsim.runs.folder import RunFolder
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     scenario = load_scenario(SCENARIO, OVERRIDES)
-    local_dir = new_run_dir(scenario, cluster.tmp / "local")
+    local_dir = RunFolder.create(scenario, cluster.tmp / "local").path
     run_server(LocalGrid(make_client_app(scenario), 3), scenario, local_dir)
     strip = lambda rs: [{k: v for k, v in r.items() if k not in ("wall_seconds", "match_seconds")} for r in rs]  # noqa: E731
     assert strip(read_rounds(local_dir)) == strip(rounds)

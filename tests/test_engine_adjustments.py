@@ -124,15 +124,15 @@ def test_compact_client_app_pickles_small_and_rebuilds_the_same_scenario():
     """The app crosses to the actors as the scenario's JSON (KBs, not the 200 KB pickled pydantic
     class), and the worker rebuilds the identical scenario (same key) once, then reuses it."""
     scenario = load_scenario("scenarios/quickstart.yaml", ["federation.rounds=3"])
-    app = CompactClientApp.of(scenario)
+    app = CompactClientApp.of(scenario, "/tmp/run/checkpoint/clients")
     blob = pickle.dumps(app)
     assert len(blob) < 10_000
     clone = pickle.loads(blob)
-    assert clone.key == scenario_key(scenario)
-    built = _client_app(clone.scenario_json, clone.key)
-    assert _client_app(clone.scenario_json, clone.key) is built
+    assert clone.key == scenario_key(scenario) and clone.state_dir == "/tmp/run/checkpoint/clients"
+    built = _client_app(clone.scenario_json, clone.key, clone.state_dir)
+    assert _client_app(clone.scenario_json, clone.key, clone.state_dir) is built
     with pytest.raises(RuntimeError, match="does not validate"):
-        _client_app(clone.scenario_json, "not-the-key")
+        _client_app(clone.scenario_json, "not-the-key", None)
 
 
 def test_no_node_map_outside_a_simulation():
@@ -157,7 +157,7 @@ def test_messages_go_out_largest_client_first():
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid=None))
     order = [m.metadata.dst_node_id - 1000 for m in messages]
     sizes = [len(strategy.rt.partitions[p]) for p in order]
-    assert sorted(order) == strategy.pending["sampled"] and len(set(sizes)) > 1
+    assert sorted(order) == strategy.pending.sampled and len(set(sizes)) > 1
     assert [(-s, p) for s, p in zip(sizes, order)] == sorted((-s, p) for s, p in zip(sizes, order))
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from fedsim.client.app import make_client_app
 from fedsim.server.evaluation import CentralEvaluator
-from fedsim.runs.results import new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
 from fedsim.server.strategy import ScenarioStrategy
@@ -29,7 +30,7 @@ QUICK = ["federation.rounds=4", "federation.num_clients=8", "federation.clients_
 
 def run(tmp_path, progress=None, checkpoints=False, overrides=(), overlap=True):
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + list(overrides) + [f"evaluation.overlap={str(overlap).lower()}"])
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients)
     summary = run_server(grid, scenario, run_dir, progress, checkpoints=checkpoints)
     return read_rounds(run_dir), summary, run_dir
@@ -74,7 +75,7 @@ def test_evaluation_really_overlaps_and_lines_stay_ordered_with_checkpoints(tmp_
         checkpoints_seen[record["round"]] = (holder["dir"] / "checkpoint" / f"round-{record['round']}.pt").exists()
 
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=true"])
-    holder["dir"] = run_dir = new_run_dir(scenario, tmp_path)
+    holder["dir"] = run_dir = RunFolder.create(scenario, tmp_path).path
     run_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir, progress, checkpoints=True)
     t_returned = time.perf_counter()
     lines = [(r, t) for kind, r, t in events if kind == "line"]
@@ -107,7 +108,7 @@ def test_an_interrupted_run_keeps_the_line_being_evaluated(tmp_path, monkeypatch
     monkeypatch.setattr(CentralEvaluator, "__call__", slow_evaluation)
     monkeypatch.setattr(ScenarioStrategy, "aggregate_train", failing_aggregate)
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=true"])
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     with pytest.raises(RuntimeError, match="server crashed in round 3"):
         run_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir)
     deadline = time.monotonic() + 10  # the evaluation thread finishes round 2 on its own
@@ -129,7 +130,7 @@ def test_an_error_in_the_background_evaluation_stops_the_run(tmp_path, monkeypat
 
     monkeypatch.setattr(CentralEvaluator, "__call__", failing_evaluation)
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=true"])
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     with pytest.raises(ValueError, match="round 2"):
         run_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir)
     assert [r["round"] for r in read_rounds(run_dir)] == [1]
@@ -184,7 +185,7 @@ def test_deferred_last_evaluation_completes_after_return(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CentralEvaluator, "__call__", slow_evaluation)
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
-    run_dir = new_run_dir(scenario, tmp_path / "deferred")
+    run_dir = RunFolder.create(scenario, tmp_path / "deferred").path
     # the process's count when the run starts: 3, a count nothing else in the run sets (the
     # in-process grid's clients train in the server thread on one thread, evaluations beside
     # training run on one)
@@ -208,7 +209,7 @@ def test_deferred_last_evaluation_completes_after_return(tmp_path, monkeypatch):
     assert same(summary) == same(summary_in_line)
 
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=false"])
-    run_dir = new_run_dir(scenario, tmp_path / "no_overlap")
+    run_dir = RunFolder.create(scenario, tmp_path / "no_overlap").path
     complete = drive_server(LocalGrid(make_client_app(scenario), 8), scenario, run_dir, defer_last_evaluation=True)
     assert [r["round"] for r in read_rounds(run_dir)] == [1, 2, 3, 4]
     complete()

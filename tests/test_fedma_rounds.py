@@ -17,7 +17,8 @@ from flwr.app import Array, ArrayRecord
 from fedsim.client.app import make_client_app
 from fedsim.fedma.arch import ChainArch, state_of
 from fedsim.registry import MODELS
-from fedsim.runs.results import new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import read_rounds
 from fedsim.runtime import runtime_for
 from fedsim.scenario import ScenarioError, load_scenario
 from fedsim.seeding import INIT, TRAIN, derive_seed
@@ -33,7 +34,7 @@ SMALL = [
 
 
 def run(scenario, parent, checkpoints=False, **grid_kwargs):
-    run_dir = new_run_dir(scenario, parent)
+    run_dir = RunFolder.create(scenario, parent).path
     grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients, **grid_kwargs)
     run_server(grid, scenario, run_dir, checkpoints=checkpoints)
     return read_rounds(run_dir) if not checkpoints else run_dir
@@ -218,7 +219,7 @@ def test_resumed_fedma_run_matches_uninterrupted(tmp_path):
         grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients)
         return run_server(grid, scenario, run_dir, progress, checkpoints=True)
 
-    full, cut = new_run_dir(scenario, tmp_path / "full"), new_run_dir(scenario, tmp_path / "cut")
+    full, cut = RunFolder.create(scenario, tmp_path / "full").path, RunFolder.create(scenario, tmp_path / "cut").path
     go(full)
     with pytest.raises(Killed):
         go(cut, kill_after=1)

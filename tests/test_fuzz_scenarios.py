@@ -111,10 +111,11 @@ def run_one_round(rule, per_round: int, min_replies: int):
         return None
     import tempfile
 
-    from fedsim.runs.results import new_run_dir, read_rounds
+    from fedsim.runs.folder import RunFolder
+    from fedsim.runs.results import read_rounds
 
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = new_run_dir(scenario, tmp)
+        run_dir = RunFolder.create(scenario, tmp).path
         run_server(LocalGrid(make_client_app(scenario), 12), scenario, run_dir)
         return read_rounds(run_dir)
 

@@ -7,7 +7,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedsim.client.app import make_client_app
-from fedsim.runs.results import new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
@@ -69,7 +70,7 @@ def test_hundreds_of_malformed_uploads_never_crash_a_run(tmp_path):
         reply.content = malformed(rng, reply.content)
         return reply
 
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     summary = run_server(LocalGrid(make_client_app(scenario), 30, tamper=tamper), scenario, run_dir)
     rounds = read_rounds(run_dir)
     assert summary["rounds_completed"] == 10
@@ -451,7 +452,7 @@ def test_absurd_example_counts_reject_one_client_and_the_round_goes_on(tmp_path,
             reply.content["metrics"]["num-examples"] = count
         return reply
 
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     run_server(LocalGrid(make_client_app(scenario), 5, tamper=tamper), scenario, run_dir)
     rounds = read_rounds(run_dir)
     reason = (f"reply does not serialize: metrics['num-examples'] = {count}: ValueError: Value out of range" if count == 10**30
@@ -481,7 +482,7 @@ def test_fedma_upload_with_overflowing_norm_or_infinite_loss_is_rejected(tmp_pat
             reply.content["metrics"]["train-loss"] = float("inf")
         return reply
 
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     run_server(LocalGrid(make_client_app(scenario), 4, tamper=tamper), scenario, run_dir)
     (r,) = read_rounds(run_dir)
     assert "layer 0" in r["rejected"]["1"] and "norm overflows float32" in r["rejected"]["1"]

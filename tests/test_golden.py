@@ -29,9 +29,18 @@ make_golden = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_golden)
 
 REL_TOL, ABS_TOL = 1e-6, 1e-9
+# Cuttlefish trains the factorized model (U V^T layers) after its switch in round 2: there the last-bit
+# differences of another CPU's kernels grow round by round (measured on an AMD EPYC against the
+# recording machine: 1.6e-6 relative in round 3's loss, 1.1e-3 in an update norm of round 5). Its
+# ints, ranks, parameter counts and client lists stay exact; a change in behaviour moves its floats
+# by far more than this.
+REL_TOL_OF = {"cuttlefish": 1e-2}
+# Fields added to rounds.jsonl after the recording, each checked by its own tests:
+# `detection` (issue #19's detection audit: tests/test_detection.py).
+ADDED_SINCE = {"detection"}
 
 
-def differences(want, got, path: str) -> list[str]:
+def differences(want, got, path: str, rel_tol: float = REL_TOL) -> list[str]:
     """Every place where `got` differs from `want`, as 'path: golden X, now Y'."""
     if isinstance(want, dict):
         if not isinstance(got, dict):
@@ -40,16 +49,16 @@ def differences(want, got, path: str) -> list[str]:
         out += [f"{path}.{k}: new key (now {got[k]!r})" for k in got if k not in want]
         for k in want:
             if k in got:
-                out += differences(want[k], got[k], f"{path}.{k}")
+                out += differences(want[k], got[k], f"{path}.{k}", rel_tol)
         return out
     if isinstance(want, list):
         if not isinstance(got, list):
             return [f"{path}: golden a list, now {got!r}"]
         if len(want) != len(got):
             return [f"{path}: golden {len(want)} items {want!r}, now {len(got)} items {got!r}"]
-        return [d for i, (w, g) in enumerate(zip(want, got)) for d in differences(w, g, f"{path}[{i}]")]
+        return [d for i, (w, g) in enumerate(zip(want, got)) for d in differences(w, g, f"{path}[{i}]", rel_tol)]
     if isinstance(want, float) and isinstance(got, float) and not isinstance(got, bool):
-        same = (math.isnan(want) and math.isnan(got)) or math.isclose(want, got, rel_tol=REL_TOL, abs_tol=ABS_TOL)
+        same = (math.isnan(want) and math.isnan(got)) or math.isclose(want, got, rel_tol=rel_tol, abs_tol=ABS_TOL)
         return [] if same else [f"{path}: golden {want!r}, now {got!r}"]
     if type(want) is not type(got) or want != got:  # ints, bools, strings, None: exact, type included
         return [f"{path}: golden {want!r}, now {got!r}"]
@@ -62,11 +71,12 @@ def test_metrics_equal_the_golden_run(tmp_path, name):
     rounds = make_golden.run_scenario(name, tmp_path)
     # round trip through JSON as the golden file was (tuples -> lists, int keys -> str)
     rounds = json.loads(json.dumps(rounds))
+    rounds = [{k: v for k, v in r.items() if k not in ADDED_SINCE} for r in rounds]
     problems = []
     if [r.get("round") for r in rounds] != [r["round"] for r in golden]:
         problems.append(f"rounds: golden {[r['round'] for r in golden]}, now {[r.get('round') for r in rounds]}")
     for want, got in zip(golden, rounds):
-        problems += differences(want, got, f"round {want['round']}")
+        problems += differences(want, got, f"round {want['round']}", REL_TOL_OF.get(name, REL_TOL))
     assert not problems, f"scenario {name}: {len(problems)} difference(s) from tests/golden/{name}.json\n  " + \
         "\n  ".join(problems[:30])
 

@@ -144,14 +144,14 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     """The small scenario's metrics from an uninterrupted run (in-process grid: the same metrics
     as through Ray, as tests/test_simulation.py and the golden tests check)."""
     from fedsim.client.app import make_client_app
-    from fedsim.runs.results import new_run_dir
+    from fedsim.runs.folder import RunFolder
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     overrides = [a for a in SMALL if a != "--set"]
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)
-    run_dir = new_run_dir(scenario, tmp_path_factory.mktemp("full"))
+    run_dir = RunFolder.create(scenario, tmp_path_factory.mktemp("full")).path
     run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients), scenario, run_dir, checkpoints=True)
     return metrics(read_rounds(run_dir))
 

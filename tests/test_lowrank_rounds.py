@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fedsim.client.app import make_client_app
-from fedsim.runs.results import new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError, load_scenario
 from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
@@ -17,13 +18,13 @@ BASE = ["federation.rounds=5", "federation.num_clients=8", "federation.clients_p
 
 def run(tmp_path, overrides, kill_after=None):
     scenario = load_scenario("scenarios/quickstart.yaml", BASE + overrides)
-    run_dir = tmp_path if (tmp_path / "scenario.yaml").exists() else new_run_dir(scenario, tmp_path)
+    run_dir = tmp_path if (tmp_path / "scenario.yaml").exists() else RunFolder.create(scenario, tmp_path).path
 
     def progress(record):
         if kill_after is not None and record["round"] == kill_after:
             raise KeyboardInterrupt
 
-    grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients)
+    grid = LocalGrid(make_client_app(scenario, RunFolder(run_dir).client_states), scenario.federation.num_clients)
     run_server(grid, scenario, run_dir, progress, checkpoints=True)
     return read_rounds(run_dir), run_dir
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fedsim.cli import skipped_exit_code
 from fedsim.client.app import make_client_app
-from fedsim.runs.results import every_round_skipped, new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import every_round_skipped, read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
@@ -22,7 +23,7 @@ def test_every_round_skipped_only_when_no_round_was_aggregated():
 def test_a_run_of_crashing_clients_is_every_round_skipped(tmp_path):
     scenario = load_scenario("scenarios/quickstart.yaml", ["federation.rounds=2", "federation.num_clients=4",
                                                            "federation.clients_per_round=4", "attack=null"])
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     grid = LocalGrid(make_client_app(scenario), 4, fail=range(4))
     run_server(grid, scenario, run_dir)
     reason = every_round_skipped(read_rounds(run_dir))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fedsim.client.app import make_client_app
-from fedsim.runs.results import new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
@@ -29,17 +30,18 @@ def run(scenario, run_dir, kill_after=None):
     def progress(record):
         if kill_after is not None and record["round"] == kill_after:
             raise Killed  # as if the process died right after round `kill_after` was written
-    grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients)  # fresh node contexts
+    # fresh node contexts; each client keeps its memory in its own state folder
+    grid = LocalGrid(make_client_app(scenario, RunFolder(run_dir).client_states), scenario.federation.num_clients)
     return run_server(grid, scenario, run_dir, progress, checkpoints=True)
 
 
 @pytest.mark.parametrize("extra", [[], ["evaluation.initial=true"]])
 def test_resumed_run_matches_uninterrupted(tmp_path, extra):
     scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES + extra)
-    full_dir = new_run_dir(scenario, tmp_path / "full")
+    full_dir = RunFolder.create(scenario, tmp_path / "full").path
     run(scenario, full_dir)
 
-    cut_dir = new_run_dir(scenario, tmp_path / "cut")
+    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
     with pytest.raises(Killed):
         run(scenario, cut_dir, kill_after=2)
     assert max(r["round"] for r in read_rounds(cut_dir)) == 2
@@ -50,9 +52,9 @@ def test_resumed_run_matches_uninterrupted(tmp_path, extra):
 
 def test_lines_without_checkpoint_are_redone(tmp_path):
     scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES)
-    full_dir = new_run_dir(scenario, tmp_path / "full")
+    full_dir = RunFolder.create(scenario, tmp_path / "full").path
     run(scenario, full_dir)
-    cut_dir = new_run_dir(scenario, tmp_path / "cut")
+    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
     with pytest.raises(Killed):
         run(scenario, cut_dir, kill_after=3)
     for path in (cut_dir / "checkpoint").glob("round-3.pt"):
@@ -63,7 +65,7 @@ def test_lines_without_checkpoint_are_redone(tmp_path):
 
 def test_finished_run_is_not_rerun(tmp_path):
     scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES)
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     run(scenario, run_dir)
     before = (run_dir / "rounds.jsonl").read_text()
     run(scenario, run_dir)

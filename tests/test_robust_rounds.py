@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fedsim.client.app import make_client_app
-from fedsim.runs.results import new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
@@ -15,7 +16,7 @@ BASE = ["federation.rounds=3", "federation.num_clients=10", "federation.clients_
 
 def run(tmp_path, overrides, fail=()):
     scenario = load_scenario("scenarios/quickstart.yaml", BASE + overrides)
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients, fail=fail)
     summary = run_server(grid, scenario, run_dir)
     return read_rounds(run_dir), summary

@@ -11,7 +11,8 @@ import pytest
 from flwr.app import Array, ArrayRecord
 
 from fedsim.client.app import make_client_app
-from fedsim.runs.results import new_run_dir, read_rounds
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
 from fedsim.engine.local_grid import LocalGrid
@@ -21,7 +22,7 @@ QUICK = ["federation.rounds=4", "federation.num_clients=8", "federation.clients_
 
 def run(tmp_path, overrides=(), tamper=None):
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + list(overrides))
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     summary = run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients, tamper), scenario, run_dir)
     return read_rounds(run_dir), summary, run_dir
 
@@ -94,7 +95,7 @@ def test_malformed_upload_is_rejected_and_logged(tmp_path, tamper, pid, reason):
 
 def test_crashing_client_is_reported_not_fatal(tmp_path):
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients, fail={1})
     summary = run_server(grid, scenario, run_dir)
     hit = [r for r in read_rounds(run_dir) if 1 in r["sampled"]]
@@ -112,7 +113,7 @@ def test_initial_evaluation_writes_round_zero(tmp_path):
 
 def test_too_few_replies_skip_the_round_with_a_message(tmp_path):
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["federation.min_replies=5"])
-    run_dir = new_run_dir(scenario, tmp_path)
+    run_dir = RunFolder.create(scenario, tmp_path).path
     run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients, fail={0, 1, 2, 3}), scenario, run_dir)
     for r in read_rounds(run_dir):
         failed = set(r["sampled"]) & {0, 1, 2, 3}

@@ -8,6 +8,7 @@ import pytest
 
 from fedsim.client.app import make_client_app
 from fedsim.runs.report import find_runs, markdown_table, write_report
+from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError
 from fedsim.server.app import run_server
@@ -39,7 +40,7 @@ def local_runner(kill=None):
         def progress(record):
             if kill is not None and kill(scenario, record):
                 raise KeyboardInterrupt
-        grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients)
+        grid = LocalGrid(make_client_app(scenario, RunFolder(run_dir).client_states), scenario.federation.num_clients)
         run_server(grid, scenario, run_dir, progress, checkpoints=True)
     return runner
 

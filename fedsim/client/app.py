@@ -3,12 +3,15 @@
 A client's partition comes from `context.node_config["partition-id"]` (set by the simulation
 engine, or by `--node-config` on a real SuperNode); whether it is an attacker follows from the
 scenario's attacker ids. Codec memory (error feedback) lives in `context.state`, so it persists
-across rounds in simulation and deployment alike.
+across rounds in simulation and deployment alike; with a state folder (`state_dir`, or a
+SuperNode's `--node-config 'state-dir="..."'`) it is also saved there each round, on the client's
+own disk, so a resumed run or a restarted device continues with it (fedsim/runs/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -76,11 +79,20 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
     return delta, len(x), stats
 
 
-def make_client_app(scenario=None) -> ClientApp:
-    """A ClientApp for `scenario` (simulation), or reading it from the run config (deployment)."""
+def state_folder(context: Context, default: str | None) -> str | None:
+    """Where this node keeps its memory between runs: its node config's `state-dir`, else `default`."""
+    return str(context.node_config.get("state-dir") or "") or default
+
+
+def make_client_app(scenario=None, state_dir: str | Path | None = None) -> ClientApp:
+    """A ClientApp for `scenario` (simulation), or reading it from the run config (deployment).
+
+    `state_dir`: the folder this client keeps its memory in across restarts (in simulation, the
+    run folder's `checkpoint/clients` when checkpoints are on); a node's `state-dir` overrides it."""
     from fedsim.deploy.run_config import scenario_from_context
 
     app = ClientApp()
+    default_state_dir = str(state_dir) if state_dir is not None else None
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
@@ -100,12 +112,12 @@ def make_client_app(scenario=None) -> ClientApp:
         layout = rt.layout_for(model_ranks(config))
         global_vec = unpack_model(msg.content["arrays"], layout)
         delta, n, stats = local_update(rt, pid, global_vec, rnd, config)
-        ckpt = str(config["checkpoint-dir"]) if "checkpoint-dir" in config else None
+        state_dir = state_folder(context, default_state_dir)
         state = {}
         if CODEC_STATE in context.state:
             state = {k: v.numpy() for k, v in context.state[CODEC_STATE].items()}
-        elif ckpt is not None:  # a resumed run: this node's memory comes from the checkpoint
-            state = load_client(ckpt, pid, rnd) or {}
+        elif state_dir is not None:  # a resumed run: this node's memory comes from the checkpoint
+            state = load_client(state_dir, pid, rnd) or {}
         if state and int(state.pop("layout-dim", [layout.dim])[0]) != layout.dim:
             state = {}  # the model was factorized since: old residuals no longer fit
         payload, state = rt.codec.encode(delta, layout, state)
@@ -113,8 +125,8 @@ def make_client_app(scenario=None) -> ClientApp:
             state["layout-dim"] = np.array([layout.dim], dtype=np.int64)
         if state:
             context.state[CODEC_STATE] = pack_payload(state)
-            if ckpt is not None:
-                save_client(ckpt, pid, rnd, state)
+            if state_dir is not None:
+                save_client(state_dir, pid, rnd, state)
         metrics = MetricRecord({"num-examples": int(n), "train-loss": float(stats["loss"]), "partition-id": pid})
         return Message(RecordDict({"update": pack_payload(payload), "metrics": metrics}), reply_to=msg)
 

@@ -75,8 +75,11 @@ def node_port(partition: int, port: int | None = None) -> int:
 
 def supernode_cmd(partition: int, num_partitions: int, superlink: str = "127.0.0.1:8000", port: int | None = None,
                   root_cert: Path | None = None, auth_key: Path | None = None, data_dir: Path | None = None,
-                  max_retries: int | None = None, isolation: str = "subprocess") -> list[str]:
+                  max_retries: int | None = None, isolation: str = "subprocess", state_dir: Path | None = None) -> list[str]:
     """A SuperNode holding partition `partition` of `num_partitions` (its node config).
+
+    `data_dir`: the device's data folder; `state_dir`: where its ClientApp keeps its memory
+    between rounds (error feedback), on the device's own disk, so a restarted device continues.
 
     `isolation="process"` makes the SuperNode start no executor of its own: one must be started
     next to it against its Runtime API (`superexec_cmd` or `executor_cmd`).
@@ -86,6 +89,8 @@ def supernode_cmd(partition: int, num_partitions: int, superlink: str = "127.0.0
     node_config = f"partition-id={partition} num-partitions={num_partitions}"
     if data_dir is not None:
         node_config += f' data-dir="{data_dir}"'
+    if state_dir is not None:
+        node_config += f' state-dir="{state_dir}"'
     cmd = ["flower-supernode", "--superlink", superlink, "--port", str(node_port(partition, port)),
            "--node-config", node_config]
     if isolation == "process":

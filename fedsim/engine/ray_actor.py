@@ -60,29 +60,31 @@ class CompactClientApp(ClientApp):
     ~20 ms to pickle in the server process plus ~50 ms to unpickle in the actor, per message.
     """
 
-    def __init__(self, scenario_json: str, key: str) -> None:
+    def __init__(self, scenario_json: str, key: str, state_dir: str | None = None) -> None:
         super().__init__()
-        self.scenario_json, self.key = scenario_json, key
+        self.scenario_json, self.key, self.state_dir = scenario_json, key, state_dir
 
     @classmethod
-    def of(cls, scenario) -> "CompactClientApp":
+    def of(cls, scenario, state_dir=None) -> "CompactClientApp":
+        """`state_dir`: the clients' own state folder (make_client_app), or None."""
         from fedsim.runtime import scenario_key
         from fedsim.scenario import scenario_dict
 
-        return cls(json.dumps(scenario_dict(scenario), sort_keys=True), scenario_key(scenario))
+        text = json.dumps(scenario_dict(scenario), sort_keys=True)
+        return cls(text, scenario_key(scenario), None if state_dir is None else str(state_dir))
 
     def __reduce__(self):
-        return (CompactClientApp, (self.scenario_json, self.key))
+        return (CompactClientApp, (self.scenario_json, self.key, self.state_dir))
 
     def __call__(self, message, context):
-        return _client_app(self.scenario_json, self.key)(message, context)
+        return _client_app(self.scenario_json, self.key, self.state_dir)(message, context)
 
 
-_CLIENT_APPS: dict[str, ClientApp] = {}
+_CLIENT_APPS: dict[tuple[str, str | None], ClientApp] = {}
 
 
-def _client_app(scenario_json: str, key: str) -> ClientApp:
-    if key not in _CLIENT_APPS:
+def _client_app(scenario_json: str, key: str, state_dir: str | None) -> ClientApp:
+    if (key, state_dir) not in _CLIENT_APPS:
         from fedsim.client.app import make_client_app
         from fedsim.runtime import scenario_key
         from fedsim.scenario import validate_scenario
@@ -91,5 +93,5 @@ def _client_app(scenario_json: str, key: str) -> ClientApp:
         if scenario_key(scenario) != key:  # the JSON round trip must give back the very same scenario
             raise RuntimeError("the scenario sent to the client actors does not validate to the one the server runs")
         _CLIENT_APPS.clear()  # one scenario at a time per worker process
-        _CLIENT_APPS[key] = make_client_app(scenario)
-    return _CLIENT_APPS[key]
+        _CLIENT_APPS[key, state_dir] = make_client_app(scenario, state_dir)
+    return _CLIENT_APPS[key, state_dir]

@@ -67,8 +67,7 @@ from fedsim.engine.interrupt import RunStopped  # noqa: E402
 from fedsim.engine.options import EngineOptions  # noqa: E402
 from fedsim.engine.ray_actor import CompactClientApp, client_actor_class  # noqa: E402
 from fedsim.preflight import preflight  # noqa: E402
-from fedsim.runs.results import new_run_dir  # noqa: E402
-from fedsim.scenario import dump_scenario  # noqa: E402
+from fedsim.runs.folder import RunFolder  # noqa: E402
 from fedsim.server.app import make_server_app  # noqa: E402
 
 OBJECT_STORE_BYTES = 256 * 1024**2
@@ -281,11 +280,12 @@ def single_threaded_openblas():
     return threadpool_limits(limits={p: 1 for p in prefixes}) if prefixes else contextlib.nullcontext()
 
 
-def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progress=None, client_app=None,
+def simulate(scenario, run_dir: Path | RunFolder | None = None, verbose: bool = False, progress=None, client_app=None,
              stop: threading.Event | None = None, signals=None, options: EngineOptions = EngineOptions()) -> Path:
-    """Run `scenario` on Ray-simulated clients; returns the run folder.
+    """Run `scenario` on Ray-simulated clients; returns the run folder's path.
 
-    A `run_dir` that already holds completed rounds (and checkpoints) is resumed, not restarted.
+    `run_dir`: the run's folder (made here under `output.dir` when None; fedsim/runs/folder.py).
+    One that already holds completed rounds (and checkpoints) is resumed, not restarted.
     `client_app` replaces the scenario's ClientApp (tests inject failing clients this way).
     `stop` ends the run early when set (fedsim.engine.interrupt: the CLI sets it on Ctrl-C/SIGTERM);
     `signals`, the CLI's `on_signals` handle, has its handlers put back after `ray.init` replaced
@@ -299,11 +299,10 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     preflight(scenario)  # the data, edge sets and model, before Ray starts (cached for the server)
     if options.malloc_settings:
         apply_to_this_process()
-    if run_dir is None:
-        run_dir = new_run_dir(scenario)
-    elif not (run_dir / "scenario.yaml").exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "scenario.yaml").write_text(dump_scenario(scenario))
+    folder = RunFolder.create(scenario) if run_dir is None else RunFolder.at(RunFolder.of(run_dir).path, scenario)
+    run_dir = folder.path
+    # the simulated clients keep their memory in their own state folder, here inside the run folder
+    state_dir = folder.client_states if scenario.output.checkpoints else None
     stop = stop if stop is not None else threading.Event()
     server_finished = threading.Event()
     completions = []  # the ServerApp hands over the rest of the run: the last evaluation and the summary
@@ -312,10 +311,10 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
     try:
         with engine_adjustments(options, after_ray_init), single_threaded_openblas():
             run_simulation(
-                server_app=make_server_app(scenario, run_dir, progress, checkpoints=scenario.output.checkpoints,
+                server_app=make_server_app(scenario, folder, progress, checkpoints=scenario.output.checkpoints,
                                            on_rounds_done=completions.append, stop=stop, finished=server_finished,
                                            options=options, node_map=node_map),
-                client_app=client_app if client_app is not None else CompactClientApp.of(scenario),
+                client_app=client_app if client_app is not None else CompactClientApp.of(scenario, state_dir),
                 num_supernodes=scenario.federation.num_clients,
                 backend_name="ray",
                 backend_config=backend_config(scenario, verbose),
@@ -329,6 +328,6 @@ def simulate(scenario, run_dir: Path | None = None, verbose: bool = False, progr
         raise RunStopped(f"the run was stopped; completed rounds are in {run_dir}")
     for complete in completions:  # the engine has stopped its actors and Ray meanwhile
         complete()
-    if not (run_dir / "summary.json").exists():
+    if not folder.summary_file.exists():
         raise RuntimeError(f"the simulation ended without finishing the run; partial results are in {run_dir}")
     return run_dir

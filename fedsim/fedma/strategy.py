@@ -33,6 +33,7 @@ from fedsim.fedma.arch import State, num_params
 from fedsim.fedma.client import arch_for, record_to_state, state_to_record
 from fedsim.models.layout import ModelLayout
 from fedsim.seeding import SERVER, derive_seed
+from fedsim.server.record import RoundRecord
 from fedsim.server.strategy import ScenarioStrategy
 from fedsim.compression.base import PayloadError
 from fedsim.wire import MAX_EXAMPLES, check_loss, error_text, excerpt, message_bytes, records_bytes
@@ -47,8 +48,8 @@ class UploadError(ValueError):
 
 
 class FedMAStrategy(ScenarioStrategy):
-    def __init__(self, runtime, on_round=None, checkpoint_dir=None, **engine) -> None:
-        super().__init__(runtime, on_round=on_round, checkpoint_dir=checkpoint_dir, **engine)
+    def __init__(self, runtime, on_round=None, checkpoint_to=None, **engine) -> None:
+        super().__init__(runtime, on_round=on_round, checkpoint_to=checkpoint_to, **engine)
         self.arch = arch_for(runtime)
         self.params = self.scenario.aggregator
         self._layouts: dict[tuple[int, ...], ModelLayout] = {}
@@ -85,14 +86,14 @@ class FedMAStrategy(ScenarioStrategy):
 
     # --- checkpoints: the model's widths and the clients' assignments travel with it ------------
     def checkpoint(self, rnd: int) -> None:
-        if self.checkpoint_dir is not None:
+        if self.checkpoint_to is not None:
             extra = {
                 "fedma": {
                     "widths": list(self.widths),
                     "assignments": {str(p): [a.tolist() for a in lst] for p, lst in self.assignments.items()},
                 }
             }
-            save_server(self.checkpoint_dir.parent, rnd, self.global_vec, {}, extra)
+            save_server(self.checkpoint_to, rnd, self.global_vec, {}, extra)
 
     def resume_from(self, state: dict) -> None:
         self.offset = int(state["round"])
@@ -117,10 +118,8 @@ class FedMAStrategy(ScenarioStrategy):
                 content["arrays"] = state_to_record(self.arch.slice_for_client(gstate, own) if own else gstate)
             down_per_client[pid] = records_bytes(content)
             messages.append(Message(RecordDict(content), dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN))
-        self.pending = {
-            "round": rnd, "sampled": sampled, "attackers": strikers,
-            "bytes_down": sum(down_per_client.values()), "bytes_down_per_client": down_per_client,
-        }
+        self.pending = RoundRecord(rnd, sampled, strikers, bytes_down=sum(down_per_client.values()),
+                                   bytes_down_per_client=down_per_client)
         return messages
 
     # --- exchanges 1..K: match, broadcast, retrain above --------------------------------------------
@@ -130,8 +129,8 @@ class FedMAStrategy(ScenarioStrategy):
         record.update({"bytes_up": 0, "bytes_up_per_client": {}, "rejected": {}, "defenses": {}, "skipped": None})
         new_state = self.global_state()  # filled layer by layer; shapes change as layers are matched
         counts, losses = {}, {}
-        current = self._collect(list(replies), 0, record["sampled"], new_state, record, counts, losses)
-        record["train_loss"] = float(np.mean([losses[p] for p in sorted(losses)])) if losses else None
+        current = self._collect(list(replies), 0, record.sampled, new_state, record, counts, losses)
+        record.train_loss = float(np.mean([losses[p] for p in sorted(losses)])) if losses else None
         own: dict[int, list[np.ndarray]] = {pid: [] for pid in current}
         match_seconds, exchanges = 0.0, 1
         for l in range(self.arch.num_matched):
@@ -157,8 +156,8 @@ class FedMAStrategy(ScenarioStrategy):
                     "config": ConfigRecord({"server-round": rnd, "fedma-step": "retrain", "fedma-layer": l + 1}),
                 }
                 size = records_bytes(content)
-                record["bytes_down"] += size
-                record["bytes_down_per_client"][pid] = record["bytes_down_per_client"].get(pid, 0) + size
+                record.bytes_down += size
+                record.bytes_down_per_client[pid] = record.bytes_down_per_client.get(pid, 0) + size
                 messages.append(Message(RecordDict(content), dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN))
             replies = list(self.grid.send_and_receive(messages, timeout=self.scenario.federation.round_timeout))
             exchanges += 1
@@ -186,12 +185,12 @@ class FedMAStrategy(ScenarioStrategy):
         })
         return state_to_record(new_state), MetricRecord({"num-updates": len(pids)})
 
-    def _enough(self, current: dict, record: dict, rnd: int, what: str) -> bool:
+    def _enough(self, current: dict, record: RoundRecord, rnd: int, what: str) -> bool:
         need = self.scenario.federation.min_replies
         if len(current) >= need:
             return True
-        record["skipped"] = f"{len(current)} valid replies before {what}, fewer than federation.min_replies={need}"
-        log.warning("round %s skipped: %s", rnd, record["skipped"])
+        record.skipped = f"{len(current)} valid replies before {what}, fewer than federation.min_replies={need}"
+        log.warning("round %s skipped: %s", rnd, record.skipped)
         return False
 
     def _widen_inputs(self, state: State, l: int) -> None:
@@ -210,7 +209,7 @@ class FedMAStrategy(ScenarioStrategy):
             return (rows, units, *template[2:])
         return (rows, units * spatial)
 
-    def _collect(self, replies, l: int, expected: list[int], state: State, record: dict, counts: dict, losses: dict) -> dict:
+    def _collect(self, replies, l: int, expected: list[int], state: State, record: RoundRecord, counts: dict, losses: dict) -> dict:
         """Valid uploads of layer l by partition id; the rest are logged in `rejected`."""
         pid_of = {node: pid for pid, node in self.node_of.items()}
         out, seen = {}, set()
@@ -220,12 +219,12 @@ class FedMAStrategy(ScenarioStrategy):
             if pid not in expected:
                 continue
             if reply.has_error():
-                record["rejected"][pid] = f"layer {l}: client error: {reply.error.reason}"
+                record.rejected[pid] = f"layer {l}: client error: {reply.error.reason}"
                 continue
             try:
                 size = message_bytes(reply)
-                record["bytes_up"] += size
-                record["bytes_up_per_client"][pid] = record["bytes_up_per_client"].get(pid, 0) + size
+                record.bytes_up += size
+                record.bytes_up_per_client[pid] = record.bytes_up_per_client.get(pid, 0) + size
                 out[pid] = self._check_upload(reply.content, l, state, counts, pid)
                 if l == 0:
                     losses[pid] = check_loss(reply.content["metrics"].get("train-loss"))
@@ -233,11 +232,11 @@ class FedMAStrategy(ScenarioStrategy):
                 out.pop(pid, None)
                 losses.pop(pid, None)
                 reason = str(err) if isinstance(err, (UploadError, PayloadError)) else f"malformed reply: {error_text(err)}"
-                record["rejected"][pid] = f"layer {l}: {reason}"
-                log.warning("round %s: rejected FedMA upload from client %s: %s", record["round"], pid, err)
+                record.rejected[pid] = f"layer {l}: {reason}"
+                log.warning("round %s: rejected FedMA upload from client %s: %s", record.round, pid, err)
         for pid in expected:
             if pid not in seen:
-                record["rejected"][pid] = f"layer {l}: no reply within federation.round_timeout={self.scenario.federation.round_timeout}s"
+                record.rejected[pid] = f"layer {l}: no reply within federation.round_timeout={self.scenario.federation.round_timeout}s"
         return out
 
     def _check_upload(self, content, l: int, state: State, counts: dict, pid: int) -> State:

@@ -3,10 +3,13 @@ where an uninterrupted run would.
 
 Server side: `checkpoint/round-<N>.pt` holds the global model and every defense's state after
 round N (random streams need no saving: each is derived from the seed and the round). Client
-side (simulation): a client that keeps memory between rounds (error-feedback residuals) writes it
-to `checkpoint/clients/<pid>-r<N>.npz` after training in round N and, when its Flower context is
-fresh, reads back the newest file from before the current round. Files are written atomically
-(temp file, then rename) and only the newest two per owner are kept.
+side: a client that keeps memory between rounds (error-feedback residuals) keeps it in its Flower
+`Context.state`; when its node has a state folder (the ClientApp's `state_dir`, or a SuperNode's
+`--node-config 'state-dir="..."'`, on the client's own disk) it also writes it to
+`<state dir>/<pid>-r<N>.npz` after training in round N and, when its context is fresh (a resumed
+run, a restarted device), reads back the newest file from before the current round. Nothing about
+it travels in a message or depends on the server's disk. Files are written atomically (temp file,
+then rename) and only the newest two per owner are kept.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from fedsim.runs.folder import RunFolder
 
 KEEP = 2
 
@@ -33,8 +38,8 @@ def _prune(files: list[tuple[int, Path]]) -> None:
 
 
 # --- server ----------------------------------------------------------------------------------------
-def server_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoint"
+def server_dir(run_dir: Path | RunFolder) -> Path:
+    return RunFolder.of(run_dir).checkpoints
 
 
 def _rounds(folder: Path, pattern: str) -> list[tuple[int, Path]]:
@@ -46,9 +51,9 @@ def _rounds(folder: Path, pattern: str) -> list[tuple[int, Path]]:
     return out
 
 
-def save_server(run_dir: Path, rnd: int, global_vec: torch.Tensor, defense_states: dict[str, dict],
+def save_server(run_dir: Path | RunFolder, rnd: int, global_vec: torch.Tensor, defense_states: dict[str, dict],
                 extra: dict | None = None) -> None:
-    """`extra`: plain data (ints, strings, dicts of them) such as the low-rank switch state."""
+    """`extra`: plain data (ints, strings, tensors, dicts of them) such as the low-rank switch state."""
     folder = server_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     payload = {"round": rnd, "global": global_vec.clone(), "defenses": defense_states, "extra": extra or {}}
@@ -56,7 +61,7 @@ def save_server(run_dir: Path, rnd: int, global_vec: torch.Tensor, defense_state
     _prune(_rounds(folder, r"round-(\d+)\.pt"))
 
 
-def load_server(run_dir: Path, at_most: int) -> dict | None:
+def load_server(run_dir: Path | RunFolder, at_most: int) -> dict | None:
     """The newest server checkpoint of a round <= `at_most`, or None."""
     found = [(r, p) for r, p in _rounds(server_dir(run_dir), r"round-(\d+)\.pt") if r <= at_most]
     if not found:
@@ -65,20 +70,23 @@ def load_server(run_dir: Path, at_most: int) -> dict | None:
 
 
 # --- clients ---------------------------------------------------------------------------------------
-def client_dir(checkpoint_dir: str | Path) -> Path:
-    return Path(checkpoint_dir) / "clients"
-
-
-def save_client(checkpoint_dir: str | Path, pid: int, rnd: int, state: dict[str, np.ndarray]) -> None:
-    folder = client_dir(checkpoint_dir)
+def save_client(state_dir: str | Path, pid: int, rnd: int, state: dict[str, np.ndarray]) -> None:
+    folder = Path(state_dir)
     folder.mkdir(parents=True, exist_ok=True)
     _atomic_write(folder / f"{pid}-r{rnd}.npz", lambda p: np.savez(open(p, "wb"), **state))
     _prune(_rounds(folder, rf"{pid}-r(\d+)\.npz"))
 
 
-def load_client(checkpoint_dir: str | Path, pid: int, before_round: int) -> dict[str, np.ndarray] | None:
-    """The client's newest saved state from a round before `before_round`, or None."""
-    found = [(r, p) for r, p in _rounds(client_dir(checkpoint_dir), rf"{pid}-r(\d+)\.npz") if r < before_round]
+def load_client(state_dir: str | Path, pid: int, before_round: int) -> dict[str, np.ndarray] | None:
+    """The client's newest saved state from a round before `before_round`, or None.
+
+    Files from `before_round` on were written by a run that was killed before the server kept
+    those rounds: the server is about to redo them, so they are deleted here, by the client."""
+    mine = _rounds(Path(state_dir), rf"{pid}-r(\d+)\.npz")
+    for r, path in mine:
+        if r >= before_round:
+            path.unlink(missing_ok=True)
+    found = [(r, p) for r, p in mine if r < before_round]
     if not found:
         return None
     with np.load(max(found)[1], allow_pickle=False) as data:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from fedsim.runs.results import read_rounds
+from fedsim.server.detection import run_detection
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -79,7 +80,15 @@ def run_row(run: Path, label: str | None = None) -> dict:
         "mean_backdoor": sum(bd) / len(bd) if bd else None,
         "mb_up": sum(r.get("bytes_up", 0) for r in rounds) / 1e6,
         "seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
+        **detection_columns(run_detection(rounds)),
     }
+
+
+def detection_columns(total: dict | None) -> dict:
+    """The detection audit's run totals shown beside accuracy (fedsim/server/detection.py)."""
+    total = total or {}
+    return {"tpr": total.get("tpr"), "fpr": total.get("fpr"), "f1": total.get("f1"),
+            "false_alarms": total.get("false_alarm_rate_without_attackers")}
 
 
 def _pct(v) -> str:
@@ -92,15 +101,17 @@ def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> s
     keys = sorted({k for run in runs for k in swept_values(run)})
     lines = [
         "| run | " + "".join(f"{k} | " for k in keys)
-        + "rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % | MB up | s |",
-        "|---|" + "---|" * len(keys) + "---:|---:|---:|---:|---:|---:|---:|---:|",
+        + "rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % "
+        "| TPR % | FPR % | F1 % | false alarms, no attacker % | MB up | s |",
+        "|---|" + "---|" * len(keys) + "---:|" * 12,
     ]
     for run in runs:
         r, swept = run_row(run, labels.get(run)), swept_values(run)
         lines.append(
             f"| {r['run']} | " + "".join(f"{_short(swept.get(k, '-'))} | " for k in keys)
             + f"{r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
-            f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
+            f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {_pct(r['tpr'])} | {_pct(r['fpr'])} "
+            f"| {_pct(r['f1'])} | {_pct(r['false_alarms'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -7,24 +7,11 @@ import json
 import math
 import os
 import platform
-import time
 from pathlib import Path
 
-from fedsim.scenario import dump_scenario, scenario_dict
-
-
-def new_run_dir(scenario, parent: str | Path | None = None) -> Path:
-    """A fresh `<parent>/<name>-<timestamp>/` holding the resolved scenario."""
-    parent = Path(parent if parent is not None else scenario.output.dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = parent / f"{scenario.name}-{stamp}"
-    suffix = 1
-    while path.exists():
-        suffix += 1
-        path = parent / f"{scenario.name}-{stamp}-{suffix}"
-    path.mkdir(parents=True)
-    (path / "scenario.yaml").write_text(dump_scenario(scenario))
-    return path
+from fedsim.runs.folder import RunFolder
+from fedsim.scenario import scenario_dict
+from fedsim.server.detection import run_detection
 
 
 def _clean(value):
@@ -38,15 +25,15 @@ def _clean(value):
     return value
 
 
-def append_round(run_dir: Path, record: dict) -> None:
-    with open(run_dir / "rounds.jsonl", "a") as fh:
+def append_round(run_dir: Path | RunFolder, record: dict) -> None:
+    with open(RunFolder.of(run_dir).rounds_file, "a") as fh:
         fh.write(json.dumps(_clean(record)) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def read_rounds(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "rounds.jsonl"
+def read_rounds(run_dir: Path | RunFolder) -> list[dict]:
+    path = RunFolder.of(run_dir).rounds_file
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -89,6 +76,7 @@ def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
             "total_bytes_down": sum(r.get("bytes_down", 0) for r in rounds),
             "wall_seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
             "rounds_skipped": [r["round"] for r in rounds if r.get("skipped")],
+            "detection": run_detection(rounds),
             "versions": _versions(),
             "scenario": scenario_dict(scenario),
             **extra,
@@ -96,5 +84,5 @@ def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
     )
 
 
-def write_summary(run_dir: Path, summary: dict) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+def write_summary(run_dir: Path | RunFolder, summary: dict) -> None:
+    RunFolder.of(run_dir).summary_file.write_text(json.dumps(summary, indent=2) + "\n")

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedsim.scenario import ScenarioError, apply_overrides, dump_scenario, read_yaml, validate_scenario
+from fedsim.runs.folder import RunFolder
+from fedsim.scenario import ScenarioError, apply_overrides, read_yaml, validate_scenario
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,7 @@ def sweep_dir(name: str, runs: list[SweepRun], parent: str | Path | None) -> Pat
 
 def prepare(run: SweepRun, folder: Path) -> Path:
     """The run's folder, with its resolved scenario (kept if already there: it may be resumed)."""
-    run_dir = folder / run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "scenario.yaml").write_text(dump_scenario(run.scenario))
+    run_dir = RunFolder.at(folder / run.name, run.scenario, replace_scenario=True).path
     (run_dir / "sweep.json").write_text(_json(run.values) + "\n")
     return run_dir
 

@@ -10,11 +10,12 @@ from typing import Callable
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedsim.runs.checkpoint import client_dir, load_server, server_dir
+from fedsim.runs.checkpoint import load_server
 from fedsim.engine.interrupt import RunStopped, StoppableGrid
 from fedsim.engine.options import EngineOptions
 from fedsim.registry import AGGREGATORS
-from fedsim.runs.results import append_round, every_round_skipped, new_run_dir, read_rounds, summarize, write_summary
+from fedsim.runs.folder import RunFolder
+from fedsim.runs.results import append_round, every_round_skipped, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
 from fedsim.server.strategy import ScenarioStrategy
 from fedsim.wire import pack_model
@@ -28,16 +29,17 @@ def strategy_class(scenario) -> type[ScenarioStrategy]:
     return AGGREGATORS.get(scenario.aggregator.name).capability("strategy") or ScenarioStrategy
 
 
-def run_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: bool = False) -> dict:
+def run_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None, checkpoints: bool = False) -> dict:
     """Drive all rounds on `grid`; returns the summary (also written to `run_dir/summary.json`).
 
-    With `checkpoints`, server and client state are saved every round under `run_dir/checkpoint`,
-    and a run folder that already holds completed rounds is resumed after the last of them.
+    `run_dir` is the run's folder, made by the caller (fedsim/runs/folder.py). With `checkpoints`,
+    the server's state is saved every round under its `checkpoint/`, and a run folder that already
+    holds completed rounds is resumed after the last of them.
     """
     return drive_server(grid, scenario, run_dir, progress, checkpoints)()
 
 
-def drive_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints: bool = False,
+def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None, checkpoints: bool = False,
                  defer_last_evaluation: bool = False, options: EngineOptions = EngineOptions(),
                  node_map: NodeMap | None = None) -> Callable[[], dict]:
     """Run the rounds of `run_server`; returns the call that completes the run (waits for the last
@@ -51,13 +53,14 @@ def drive_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints
     """
     rt = runtime_for(scenario)
     fed = scenario.federation
+    run_dir = RunFolder.of(run_dir)
 
     def on_round(record: dict) -> None:
         append_round(run_dir, record)
         if progress is not None:
             progress(record)
 
-    strategy = strategy_class(scenario)(rt, on_round=on_round, checkpoint_dir=server_dir(run_dir) if checkpoints else None,
+    strategy = strategy_class(scenario)(rt, on_round=on_round, checkpoint_to=run_dir if checkpoints else None,
                                         options=options, node_map=node_map, defer_last_round=defer_last_evaluation)
     done = prepare_resume(run_dir, strategy) if checkpoints else 0
     if done < fed.rounds:
@@ -81,8 +84,10 @@ def drive_server(grid: Grid, scenario, run_dir: Path, progress=None, checkpoints
     return complete
 
 
-def prepare_resume(run_dir: Path, strategy: ScenarioStrategy) -> int:
-    """Load the newest checkpoint that has its rounds.jsonl line; drop anything later. Returns its round."""
+def prepare_resume(run_dir: RunFolder, strategy: ScenarioStrategy) -> int:
+    """Load the newest checkpoint that has its rounds.jsonl line; drop anything later. Returns its round.
+
+    Clients' own saved state from later rounds is theirs to drop (fedsim/runs/checkpoint.py)."""
     rounds = read_rounds(run_dir)
     last_line = max((r["round"] for r in rounds), default=0)
     state = load_server(run_dir, at_most=last_line)
@@ -91,17 +96,14 @@ def prepare_resume(run_dir: Path, strategy: ScenarioStrategy) -> int:
         strategy.resume_from(state)
     keep = [r for r in rounds if r["round"] <= done] if done else []  # nothing to resume: start afresh
     if len(keep) != len(rounds):
-        (run_dir / "rounds.jsonl").unlink(missing_ok=True)
+        run_dir.rounds_file.unlink(missing_ok=True)
         for r in keep:
             append_round(run_dir, r)
-    for path in client_dir(server_dir(run_dir)).glob("*-r*.npz"):  # client state from unfinished rounds
-        if int(path.stem.rsplit("-r", 1)[1]) > done:
-            path.unlink()
     return done
 
 
-def finish(run_dir: Path, scenario, rt) -> dict:
-    extra = {"attackers": rt.attackers, "run_dir": str(run_dir)}
+def finish(run_dir: RunFolder, scenario, rt) -> dict:
+    extra = {"attackers": rt.attackers, "run_dir": str(run_dir.path)}
     if rt.attack is not None:
         extra["attack"] = rt.attack.report(rt)
     summary = summarize(scenario, read_rounds(run_dir), extra)
@@ -109,7 +111,7 @@ def finish(run_dir: Path, scenario, rt) -> dict:
     return summary
 
 
-def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, checkpoints: bool = False,
+def make_server_app(scenario=None, run_dir: Path | RunFolder | None = None, progress=None, checkpoints: bool = False,
                     on_rounds_done: Callable[[Callable[[], dict]], None] | None = None,
                     stop: threading.Event | None = None, finished: threading.Event | None = None,
                     options: EngineOptions = EngineOptions(), node_map: NodeMap | None = None) -> ServerApp:
@@ -128,11 +130,10 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         scen = scenario if scenario is not None else scenario_from_context(context)
-        if run_dir is None:  # under `flwr run`: the run config may name the parent folder
-            out = context.run_config.get("output-dir") or None
-            folder = new_run_dir(scen, out)
+        if run_dir is None:  # under `flwr run` the ServerApp starts the run: the run config may name the parent folder
+            folder = RunFolder.create(scen, context.run_config.get("output-dir") or None)
         else:
-            folder = run_dir
+            folder = RunFolder.of(run_dir)
         if stop is not None:
             grid = StoppableGrid(grid, stop, options.reply_poll_seconds)
         try:
@@ -140,7 +141,7 @@ def make_server_app(scenario=None, run_dir: Path | None = None, progress=None, c
                 run_server(grid, scen, folder, progress, checkpoints)
                 failed = every_round_skipped(read_rounds(folder))
                 if failed is not None:  # under `flwr run`: the run ends as failed (fedsim's simulation: the CLI's exit code)
-                    raise RuntimeError(f"{failed} (results in {folder})")
+                    raise RuntimeError(f"{failed} (results in {folder.path})")
             else:
                 on_rounds_done(drive_server(grid, scen, folder, progress, checkpoints, defer_last_evaluation=True,
                                             options=options, node_map=node_map))

@@ -20,7 +20,6 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -29,41 +28,22 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim.aggregators.base import AggregationError
 from fedsim.attacks.schedules import sample_round
 from fedsim.runs.checkpoint import save_server
+from fedsim.runs.folder import RunFolder
 from fedsim.compression.base import PayloadError
 from fedsim.engine.options import EngineOptions
 from fedsim.lowrank.switch import LowRankSwitch
 from fedsim.server.evaluation import CentralEvaluator
-from fedsim.registry import AGGREGATORS, DEFENSES
+from fedsim.server.detection import round_detection
+from fedsim.server.pipeline import RoundPipeline, update_norms
+from fedsim.server.record import RoundRecord
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.updates import RoundContext, UpdateBatch
 from fedsim.wire import decode_upload, message_bytes, pack_model, records_bytes
 
 log = logging.getLogger("fedsim")
 timing_log = logging.getLogger("fedsim.timing")  # one INFO record per round, the seconds in `record.fedsim_timing`
-
-
-def rows_to_clients(info: dict, client_ids: tuple[int, ...]) -> dict:
-    """An aggregator's report with row indices replaced by client ids (for rounds.jsonl)."""
-    def ids(rows):
-        return [client_ids[i] for i in rows]
-
-    out = dict(info)
-    for key in ("selected", "outvoted"):
-        if key in out:
-            out[key] = ids(out[key])
-    if "voters" in out:
-        out["voters"] = [ids(v) for v in out["voters"]]
-    if "dropped" in out:
-        out["dropped"] = [{**d, "members": ids(d["members"])} for d in out["dropped"]]
-    return out
-
-
-def component_kwargs(spec) -> dict:
-    """A component spec's parameters as keyword arguments (its `name` dropped)."""
-    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
 
 
 class Background:
@@ -93,27 +73,23 @@ class Background:
 
 class ScenarioStrategy(Strategy):
     def __init__(
-        self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_dir: Path | None = None,
+        self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_to: RunFolder | None = None,
         options: EngineOptions = EngineOptions(), node_map: Callable | None = None, defer_last_round: bool = False,
     ) -> None:
         self.options = options  # how fast, never what: see fedsim/engine/options.py
         self.node_map = node_map  # fedsim's simulation: (grid, timeout) -> {partition id: node id} (see discover_nodes)
         self.defer_last_round = defer_last_round  # evaluate the last round in the background too (see drive_server)
         self.rt = runtime
-        self.checkpoint_dir = checkpoint_dir  # set in simulation: server and client state saved per round
+        self.checkpoint_to = checkpoint_to  # the run folder whose checkpoint/ gets the server's state each round
         self.offset = 0  # rounds already completed before this start (a resumed run)
         self.scenario = runtime.scenario
         self.on_round = on_round or (lambda record: None)
-        agg = self.scenario.aggregator
-        self.aggregator_entry = AGGREGATORS.get(agg.name)  # the rule and what it declared (groups, info)
-        self.aggregate_rule = self.aggregator_entry.obj
-        self.aggregate_kwargs = component_kwargs(agg)
-        self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in self.scenario.defenses]
+        self.pipeline = RoundPipeline(self.scenario, runtime.attack)  # attack, defenses, rule: no Flower inside
         self.node_of: dict[int, int] = {}  # partition id -> node id
         self.lowrank = LowRankSwitch(runtime, self.scenario.lowrank)
         self.global_vec = self.lowrank.start(runtime.initial_weights())
         self.evaluator = CentralEvaluator(runtime)
-        self.pending: dict = {}  # this round's facts, written when the round closes
+        self.pending = RoundRecord(0)  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
         self._node_pid: dict[int, int] = {}  # node id -> partition id (the inverse of node_of)
         self._timing: dict[int, dict[str, float]] = {}  # round -> seconds spent per step (logged)
@@ -184,14 +160,14 @@ class ScenarioStrategy(Strategy):
         """Continue after the checkpointed round: its global model and defense states."""
         self.offset = int(state["round"])
         self.lowrank.load_state_dict(state.get("extra", {}))
+        self.pipeline.load_history(state.get("extra", {}).get("pipeline", {}))
         self.global_vec = state["global"].clone()
-        for name, defense in self.defenses:
-            defense.load_state_dict(state["defenses"].get(name, {}))
+        self.pipeline.load_state_dict(state["defenses"])
 
     def checkpoint(self, rnd: int) -> None:
-        if self.checkpoint_dir is not None:
-            defense_states = {n: d.state_dict() for n, d in self.defenses}
-            save_server(self.checkpoint_dir.parent, rnd, self.global_vec, defense_states, self.lowrank.state_dict())
+        if self.checkpoint_to is not None:
+            extra = {**self.lowrank.state_dict(), "pipeline": self.pipeline.history()}
+            save_server(self.checkpoint_to, rnd, self.global_vec, self.pipeline.state_dict(), extra)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         server_round += self.offset
@@ -221,15 +197,10 @@ class ScenarioStrategy(Strategy):
             size = model_bytes + records_bytes({"config": config_record})
             down += size
             down_per_client[pid] = size
-            if self.checkpoint_dir is not None:  # simulation plumbing, not device traffic: not counted
-                msg.content["config"]["checkpoint-dir"] = str(self.checkpoint_dir)
             messages.append(msg)
-        self.pending = {
-            "round": server_round, "sampled": sampled, "attackers": strikers,
-            "bytes_down": down, "bytes_down_per_client": down_per_client,
-        }
+        self.pending = RoundRecord(server_round, sampled, strikers, bytes_down=down, bytes_down_per_client=down_per_client)
         if groups:
-            self.pending["groups"] = groups
+            self.pending.groups = groups
         self._sent_at = time.perf_counter()
         self._timing[server_round] = {"encode": self._sent_at - self.t_round}
         return messages
@@ -259,7 +230,7 @@ class ScenarioStrategy(Strategy):
         redundancy, the shard each member trains on (its group's first member's), so honest
         members of a group compute bit-identical updates."""
         spec = self.scenario.aggregator
-        if not self.aggregator_entry.capability("needs_groups", False):
+        if not self.pipeline.needs_groups:
             return [], {}
         r = spec.group_size
         starts = list(range(0, max(len(sampled) - r + 1, 1), r))
@@ -276,7 +247,7 @@ class ScenarioStrategy(Strategy):
     def _decode(self, replies: Iterable[Message]) -> tuple[list, dict, int, dict]:
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
         rows, rejected, up, losses = [], {}, 0, {}
-        up_per_client = self.pending.setdefault("bytes_up_per_client", {})
+        up_per_client = self.pending.bytes_up_per_client = {}
         for reply in replies:
             pid = self._pid_of_node(reply.metadata.src_node_id)
             if reply.has_error():
@@ -289,7 +260,7 @@ class ScenarioStrategy(Strategy):
                 update, weight, loss = decode_upload(reply.content, self.rt.codec, self.layout)
             except PayloadError as err:
                 rejected[pid] = str(err)
-                log.warning("round %s: rejected upload from client %s: %s", self.pending.get("round"), pid, err)
+                log.warning("round %s: rejected upload from client %s: %s", self.pending.round, pid, err)
                 continue
             losses[pid] = loss
             rows.append((pid, update, weight))
@@ -306,78 +277,44 @@ class ScenarioStrategy(Strategy):
         timing["decode"] = time.perf_counter() - t_start
         record = self.pending
         answered = {self._pid_of_node(m.metadata.src_node_id) for m in replies}
-        for pid in record["sampled"]:
+        for pid in record.sampled:
             if pid not in answered:  # a node that died or timed out: the round goes on without it
                 rejected[pid] = f"no reply within federation.round_timeout={self.scenario.federation.round_timeout}s"
         record.update({"bytes_up": up, "rejected": rejected, "defenses": {}, "skipped": None})
-        record["train_loss"] = (sum(losses[p] for p in sorted(losses)) / len(losses)) if losses else None
-        strikers = set(record["attackers"])
-        norms = {pid: float(torch.linalg.vector_norm(u)) for pid, u, _ in rows}
-        record["attacker_update_norms"] = {pid: v for pid, v in norms.items() if pid in strikers}
-        honest = sorted(v for pid, v in norms.items() if pid not in strikers)
-        record["honest_update_norm_median"] = float(np.median(honest)) if honest else None
-        if len(rows) < self.scenario.federation.min_replies:
-            record["skipped"] = (
-                f"{len(rows)} valid updates, fewer than federation.min_replies={self.scenario.federation.min_replies}"
-            )
-            log.warning("round %s skipped: %s", server_round, record["skipped"])
-            return None, None
+        record.train_loss = (sum(losses[p] for p in sorted(losses)) / len(losses)) if losses else None
+        strikers = set(record.attackers)
         batch = UpdateBatch(
-            torch.stack([u for _, u, _ in rows]),
+            torch.stack([u for _, u, _ in rows]) if rows else torch.zeros(0, self.layout.dim),
             torch.tensor([w for _, _, w in rows], dtype=torch.float32),
             tuple(pid for pid, _, _ in rows),
         )
-        ctx = RoundContext(server_round, self.global_vec, self.layout, torch_generator(self.scenario.seed, SERVER, server_round))
-        batch = self._server_attack(batch, strikers, ctx)
-        try:
-            for name, defense in self.defenses:
-                batch, info = defense.before(batch, ctx)
-                record["defenses"].setdefault(name, {}).update(info)
-                if batch.updates.shape[0] == 0:
-                    raise AggregationError(f"defense {name} removed every update")
-            aggregate = self._aggregate(batch, record)
-            for name, defense in self.defenses:
-                aggregate, info = defense.after(aggregate, ctx)
-                record["defenses"].setdefault(name, {}).update(info)
-        except AggregationError as err:
-            record["skipped"] = str(err)
-            log.warning("round %s skipped: %s", server_round, err)
+        record.attacker_update_norms, record.honest_update_norm_median = update_norms(batch, strikers)
+        if len(rows) < self.scenario.federation.min_replies:
+            record.skipped = f"{len(rows)} valid updates, fewer than federation.min_replies={self.scenario.federation.min_replies}"
+            log.warning("round %s skipped: %s", server_round, record.skipped)
             return None, None
-        record["aggregated"] = list(batch.client_ids)
-        self.global_vec = self.global_vec + aggregate
-        record["global_norm"] = float(torch.linalg.vector_norm(self.global_vec))
+        ctx = RoundContext(server_round, self.global_vec, self.layout, torch_generator(self.scenario.seed, SERVER, server_round))
+        outcome = self.pipeline.run(batch, strikers, ctx, record.groups or None)
+        record.defenses = outcome.defenses
+        if outcome.aggregator is not None:
+            record.aggregator = outcome.aggregator
+        record.detection = round_detection(list(batch.client_ids), strikers, outcome.aggregated, outcome.aggregator,
+                                           outcome.defenses, outcome.weights)
+        if outcome.skipped is not None:
+            record.skipped = outcome.skipped
+            log.warning("round %s skipped: %s", server_round, outcome.skipped)
+            return None, None
+        record.aggregated = outcome.aggregated
+        self.global_vec = self.global_vec + outcome.aggregate
+        record.global_norm = float(torch.linalg.vector_norm(self.global_vec))
         self.global_vec, switch = self.lowrank.after_round(server_round, self.global_vec)
-        if switch is not None:
-            record["lowrank"] = switch
-        record["model_params"] = self.layout.dim
+        if switch is not None:  # the model was factorized: last round's aggregate no longer fits it
+            record.lowrank = switch
+            self.pipeline.previous_aggregate = None
+        record.model_params = self.layout.dim
         arrays = pack_model(self.global_vec, self.layout)
         timing["aggregate"] = time.perf_counter() - t_start - timing["decode"]
         return arrays, MetricRecord({"num-updates": len(rows)})
-
-    def _aggregate(self, batch: UpdateBatch, record: dict) -> torch.Tensor:
-        """Run the rule; rules that pick or vote (Krum, DETOX) also report which clients, by id."""
-        rule, kwargs = self.aggregate_rule, dict(self.aggregate_kwargs)
-        if self.aggregator_entry.capability("needs_groups", False):
-            row_of = {pid: i for i, pid in enumerate(batch.client_ids)}
-            groups = [[row_of[p] for p in group if p in row_of] for group in record["groups"]]
-            kwargs["groups"] = [g for g in groups if g]
-        with_info = self.aggregator_entry.capability("with_info")
-        if with_info is None:
-            return rule(batch.updates, batch.weights, **kwargs)
-        aggregate, info = with_info(batch.updates, batch.weights, **kwargs)
-        record["aggregator"] = rows_to_clients(info, batch.client_ids)
-        return aggregate
-
-    def _server_attack(self, batch: UpdateBatch, strikers: set, ctx: RoundContext) -> UpdateBatch:
-        attack = self.rt.attack
-        if attack is None or attack.side != "server" or not strikers:
-            return batch
-        bad = torch.tensor([pid in strikers for pid in batch.client_ids])
-        if bad.all() or not bad.any():
-            return batch
-        updates = batch.updates.clone()
-        updates[bad] = attack.craft(batch.updates[~bad], int(bad.sum()), ctx)
-        return batch.with_updates(updates)
 
     # --- no federated evaluation: the server evaluates centrally ------------------------------
     def configure_evaluate(self, server_round, arrays, config, grid):
@@ -388,7 +325,7 @@ class ScenarioStrategy(Strategy):
 
     def summary(self) -> None:
         log.info("ScenarioStrategy: %s, aggregator %s, defenses %s", self.scenario.name, self.scenario.aggregator.name,
-                 [n for n, _ in self.defenses])
+                 self.pipeline.defense_names)
 
     # --- end of round: central evaluation and the round's line --------------------------------
     def end_round(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -408,7 +345,7 @@ class ScenarioStrategy(Strategy):
         if server_round == 0:
             if not ev.initial:
                 return None
-            record = {"round": 0, "bytes_up": 0, "bytes_down": 0, "sampled": [], "attackers": []}
+            record = RoundRecord(0)
         else:
             record = self.pending
         timing = self._timing.pop(server_round, {})
@@ -450,7 +387,7 @@ class ScenarioStrategy(Strategy):
         if closing is not None:
             closing.result()
 
-    def _close_round(self, server_round: int, record: dict, model, timing: dict, started: float) -> MetricRecord:
+    def _close_round(self, server_round: int, record: RoundRecord, model, timing: dict, started: float) -> MetricRecord:
         """Evaluate (if `model` is given), then write the round's line; runs in the background thread
         or, for the last round and without overlap, in the server thread."""
         if model is not None:
@@ -461,13 +398,14 @@ class ScenarioStrategy(Strategy):
         if server_round:
             # seconds since the previous round's line (the round's own start for the first one):
             # with overlapping evaluation, the rounds' wall_seconds add up to the run's time in rounds
-            record["wall_seconds"] = now - (self._line_at if self._line_at is not None else started)
+            record.wall_seconds = now - (self._line_at if self._line_at is not None else started)
             self._line_at = now
         else:
-            record["wall_seconds"] = 0.0
-        self.on_round(record)
-        timing["wall"] = record["wall_seconds"]
+            record.wall_seconds = 0.0
+        line = record.to_json()
+        self.on_round(line)
+        timing["wall"] = record.wall_seconds
         timing_log.info("round %s timing (s): %s", server_round, ", ".join(f"{k} {v:.3f}" for k, v in timing.items()),
                  extra={"fedsim_round": server_round, "fedsim_timing": dict(timing)})
-        metrics = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics = {k: v for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         return MetricRecord(metrics)

@@ -82,20 +82,22 @@ def strip(rounds: list[dict]) -> list[dict]:
 def run_scenario(name: str, parent: Path) -> list[dict]:
     """Run scenario `name` in-process under `parent`; its rounds.jsonl lines without the times."""
     from fedsim.client.app import make_client_app
-    from fedsim.runs.results import new_run_dir, read_rounds
+    from fedsim.runs.folder import RunFolder
+    from fedsim.runs.results import read_rounds
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
     from fedsim.engine.local_grid import LocalGrid
 
     path, overrides, kill_after = SCENARIOS[name]
     scenario = load_scenario(str(REPO / path), overrides)
-    run_dir = new_run_dir(scenario, parent)
+    run_dir = RunFolder.create(scenario, parent).path
 
     def once(kill=None) -> None:
         def progress(record):
             if kill is not None and record["round"] == kill:
                 raise Killed
-        grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients)  # fresh node contexts
+        state_dir = RunFolder(run_dir).client_states if kill_after is not None else None  # the clients' own state folder
+        grid = LocalGrid(make_client_app(scenario, state_dir), scenario.federation.num_clients)  # fresh node contexts
         run_server(grid, scenario, run_dir, progress, checkpoints=kill_after is not None)
 
     if kill_after is not None:

@@ -1,0 +1,153 @@
+"""What the server does with one round's decoded updates, with no Flower in sight:
+
+    server-side attack -> each defense's `before` -> the aggregation rule -> each defense's `after`
+
+Pure apart from the defenses' own state (FoolsGold's history, ...), which it holds and
+checkpoints. The strategy (fedsim/server/strategy.py) decodes the replies into an `UpdateBatch`,
+calls `RoundPipeline.run` and writes the `RoundOutcome` into the round's record. Tests and
+benchmarks call it directly on tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from fedsim.aggregators.base import AggregationError
+from fedsim.registry import AGGREGATORS, DEFENSES
+from fedsim.updates import RoundContext, UpdateBatch
+
+log = logging.getLogger("fedsim")
+
+
+def component_kwargs(spec) -> dict:
+    """A component spec's parameters as keyword arguments (its `name` dropped)."""
+    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
+
+
+def rows_to_clients(info: dict, client_ids: tuple[int, ...]) -> dict:
+    """An aggregator's report with row indices replaced by client ids (for rounds.jsonl)."""
+    def ids(rows):
+        return [client_ids[i] for i in rows]
+
+    out = dict(info)
+    for key in ("selected", "outvoted"):
+        if key in out:
+            out[key] = ids(out[key])
+    if "voters" in out:
+        out["voters"] = [ids(v) for v in out["voters"]]
+    if "dropped" in out:
+        out["dropped"] = [{**d, "members": ids(d["members"])} for d in out["dropped"]]
+    return out
+
+
+def update_norms(batch: UpdateBatch, strikers: set[int]) -> tuple[dict[int, float], float | None]:
+    """Each attacker's update norm and the median honest norm (what a norm defense sees)."""
+    norms = torch.linalg.vector_norm(batch.updates, dim=1).tolist() if len(batch.client_ids) else []
+    by_client = dict(zip(batch.client_ids, norms))
+    honest = sorted(v for pid, v in by_client.items() if pid not in strikers)
+    attackers = {pid: v for pid, v in by_client.items() if pid in strikers}
+    return attackers, (float(np.median(honest)) if honest else None)
+
+
+@dataclass
+class RoundOutcome:
+    """What the pipeline made of a round: the aggregate (None when skipped) and what each step reported."""
+
+    aggregate: torch.Tensor | None = None
+    aggregated: list[int] = field(default_factory=list)  # client ids that reached the rule (after the defenses)
+    weights: dict[int, float] | None = None  # client id -> weight at the rule's input
+    defenses: dict[str, dict] = field(default_factory=dict)  # defense name -> its reports, before and after
+    aggregator: dict | None = None  # a choosing rule's report, by client id
+    skipped: str | None = None  # why there is no aggregate
+
+
+class RoundPipeline:
+    """Server-side attack, defenses and the rule of one scenario, applied round after round."""
+
+    def __init__(self, scenario, attack=None) -> None:
+        spec = scenario.aggregator
+        self.entry = AGGREGATORS.get(spec.name)  # the rule and what it declared (groups, info)
+        self.kwargs = component_kwargs(spec)
+        self.attack = attack if attack is not None and attack.side == "server" else None
+        self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in scenario.defenses]
+        self.previous_aggregate: torch.Tensor | None = None  # what the last aggregated round applied (ctx)
+
+    @property
+    def needs_groups(self) -> bool:
+        return bool(self.entry.capability("needs_groups", False))
+
+    def run(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
+            groups: list[list[int]] | None = None) -> RoundOutcome:
+        """Aggregate one round; a rule or defense that cannot (AggregationError) skips the round with its reason."""
+        out = RoundOutcome()
+        ctx = replace(ctx, previous_aggregate=self.previous_aggregate)
+        batch = self.server_attack(batch, strikers, ctx)
+        try:
+            for name, defense in self.defenses:
+                batch, info = defense.before(batch, ctx)
+                out.defenses.setdefault(name, {}).update(info)
+                if batch.updates.shape[0] == 0:
+                    raise AggregationError(f"defense {name} removed every update")
+            out.aggregated = list(batch.client_ids)
+            out.weights = dict(zip(batch.client_ids, batch.weights.tolist()))
+            aggregate = self.aggregate(batch, groups, out, ctx)
+            for name, defense in self.defenses:
+                aggregate, info = defense.after(aggregate, ctx)
+                out.defenses.setdefault(name, {}).update(info)
+        except AggregationError as err:
+            out.skipped = str(err)
+            return out
+        out.aggregate = aggregate
+        self.previous_aggregate = aggregate
+        return out
+
+    def server_attack(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext) -> UpdateBatch:
+        """The striking attackers' rows replaced by what a server-side (Byzantine) attack crafts from the honest rows."""
+        if self.attack is None or not strikers:
+            return batch
+        bad = torch.tensor([pid in strikers for pid in batch.client_ids])
+        if bad.all() or not bad.any():
+            return batch
+        updates = batch.updates.clone()
+        updates[bad] = self.attack.craft(batch.updates[~bad], int(bad.sum()), ctx)
+        return batch.with_updates(updates)
+
+    def aggregate(self, batch: UpdateBatch, groups: list[list[int]] | None, out: RoundOutcome,
+                  ctx: RoundContext) -> torch.Tensor:
+        """Run the rule; rules that pick or vote (Krum, DETOX) also report which clients, by id.
+        A rule declared `with_context=True` is also given the round's context (`ctx=`)."""
+        kwargs = dict(self.kwargs)
+        if self.entry.capability("with_context", False):
+            kwargs["ctx"] = ctx
+        if self.needs_groups:
+            row_of = {pid: i for i, pid in enumerate(batch.client_ids)}
+            rows = [[row_of[p] for p in group if p in row_of] for group in groups or []]
+            kwargs["groups"] = [g for g in rows if g]
+        with_info = self.entry.capability("with_info")
+        if with_info is None:
+            return self.entry.obj(batch.updates, batch.weights, **kwargs)
+        aggregate, info = with_info(batch.updates, batch.weights, **kwargs)
+        out.aggregator = rows_to_clients(info, batch.client_ids)
+        return aggregate
+
+    # --- state for checkpoints: the defenses' own, and the last aggregate -------------------------
+    def state_dict(self) -> dict[str, dict]:
+        return {name: d.state_dict() for name, d in self.defenses}
+
+    def load_state_dict(self, states: dict[str, dict]) -> None:
+        for name, defense in self.defenses:
+            defense.load_state_dict(states.get(name, {}))
+
+    def history(self) -> dict:
+        return {"previous_aggregate": None if self.previous_aggregate is None else self.previous_aggregate.clone()}
+
+    def load_history(self, state: dict) -> None:
+        self.previous_aggregate = state.get("previous_aggregate")
+
+    @property
+    def defense_names(self) -> list[str]:
+        return [name for name, _ in self.defenses]

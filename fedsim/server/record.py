@@ -1,0 +1,78 @@
+"""`RoundRecord`: one line of `rounds.jsonl`, field by field. This class *is* the file's schema.
+
+A line is written when its round closes (after the central evaluation), so an interrupted run
+keeps every completed round. Client ids are partition ids (0..num_clients-1); in JSON, dict keys
+are strings. A field left `UNSET` is absent from the line (see each field for when); a field set
+to None is written as null.
+
+Which fields a line has:
+- round 0 (the initial model, with `evaluation.initial`): round, sampled, attackers, bytes_up,
+  bytes_down, the evaluation fields, wall_seconds;
+- a trained round: everything from `round` to `honest_update_norm_median`, plus, once its updates
+  reached the defenses and rule, `detection`, and, when it was aggregated (`skipped` is null),
+  `aggregated`, `global_norm` and `model_params`;
+- with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
+  DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+class _Unset:
+    """Marks a field that is not part of this round's line."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+
+
+@dataclass
+class RoundRecord:
+    round: int  # 1-based training round; 0 is the initial model's evaluation
+    sampled: list[int] = field(default_factory=list)  # clients sent the model, in partition-id order
+    attackers: list[int] = field(default_factory=list)  # the sampled clients that attack this round
+    bytes_down: int = 0  # serialized bytes of every message sent to clients (model + config)
+    bytes_down_per_client: dict | _Unset = UNSET  # client -> bytes sent to it (trained rounds)
+    bytes_up: int = 0  # serialized bytes of every reply received, as they crossed the wire
+    bytes_up_per_client: dict | _Unset = UNSET  # client -> bytes it uploaded
+    groups: list | _Unset = UNSET  # group rules (DETOX): the sampled clients' groups
+    rejected: dict | _Unset = UNSET  # client -> why its upload was not used (malformed, error, timeout)
+    defenses: dict | _Unset = UNSET  # defense name -> what it reported (removed, clipped, scores, ...)
+    skipped: str | None | _Unset = UNSET  # why the round was not aggregated (the global model stays), or null
+    train_loss: float | None | _Unset = UNSET  # mean reported training loss of the accepted uploads
+    attacker_update_norms: dict | _Unset = UNSET  # attacker -> L2 norm of its decoded update
+    honest_update_norm_median: float | None | _Unset = UNSET  # median L2 norm of the honest decoded updates
+    aggregator: dict | _Unset = UNSET  # what a choosing rule reported (selected / voters / outvoted), by client id
+    aggregated: list[int] | _Unset = UNSET  # clients whose updates reached the rule after the defenses
+    detection: dict | _Unset = UNSET  # what the defenses and rule did to the attackers: flagged, tp/fp/fn/tn, tpr, fpr,
+    #   precision, f1, attacker_weight_share, clipped (fedsim/server/detection.py); rounds that reached the pipeline
+    global_norm: float | _Unset = UNSET  # L2 norm of the new global model
+    lowrank: dict | _Unset = UNSET  # the low-rank switch made this round (layers factorized, ranks)
+    model_params: int | _Unset = UNSET  # parameters of the global model after the round
+    exchanges: int | _Unset = UNSET  # FedMA: message exchanges this round (matched layers + 1)
+    global_widths: list[int] | _Unset = UNSET  # FedMA: hidden widths of the global model
+    model_growth: float | _Unset = UNSET  # FedMA: global parameters / initial parameters
+    match_seconds: float | _Unset = UNSET  # FedMA: seconds spent in BBP-MAP matching
+    main_accuracy: float | None | _Unset = UNSET  # accuracy on the (subsampled) test set, on evaluated rounds
+    main_loss: float | None | _Unset = UNSET  # cross-entropy on that test set
+    backdoor_success: float | None | _Unset = UNSET  # share of the attack's test set sent to its target; null without attack
+    source_class_accuracy: float | None | _Unset = UNSET  # edge-case attacks: clean accuracy on the source class
+    wall_seconds: float | _Unset = UNSET  # seconds since the previous line (its own start for round 1): they add up
+
+    def update(self, values: dict) -> None:
+        """Set several fields at once (e.g. the evaluation's metrics); an unknown name is an error."""
+        for key, value in values.items():
+            if key not in _NAMES:
+                raise KeyError(f"RoundRecord has no field {key!r}")
+            setattr(self, key, value)
+
+    def to_json(self) -> dict:
+        """The line as a dict, fields in schema order, UNSET fields left out."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not UNSET}
+
+
+_NAMES = frozenset(f.name for f in fields(RoundRecord))
