@@ -9,6 +9,7 @@ A rule that cannot run on the given n (e.g. Krum needs n >= 2f + 3) raises `Aggr
 from fedsim.aggregators.base import AggregationError
 from fedsim.aggregators import fedavg  # noqa: F401  (registers)
 from fedsim.aggregators import krum, coordinate, bulyan, rfa  # noqa: F401  (register)
+from fedsim.aggregators import fltrust  # noqa: F401  (registers)
 from fedsim.aggregators import detox  # noqa: F401  (registers; nests the rules above)
 
 __all__ = ["AggregationError"]

@@ -33,6 +33,7 @@ def preflight(scenario, source: str = "<scenario>") -> None:
         problems.append(("data.partition", f"cannot split {data.name} ({len(data.y_train)} examples) into "
                          f"{scenario.federation.num_clients} partitions: {err}", scenario.data.partition.name))
     problems += model_problems(rt, data)
+    problems += server_data_problems(scenario, data)
     if scenario.attack is not None and rt.attack is not None:
         try:
             rt.attack.backdoor_test_set(rt)  # reads and builds the edge-case / trigger sets
@@ -56,4 +57,16 @@ def model_problems(rt, data) -> list[tuple[str, str, object]]:
                  f"{str(err).splitlines()[0]}", name)]
     if tuple(out.shape) != (1, data.num_classes):
         return [("model", f"{name} gives {list(out.shape[1:])} outputs for {data.name}'s {data.num_classes} classes", name)]
+    return []
+
+
+def server_data_problems(scenario, data) -> list[tuple[str, str, object]]:
+    """A rule that holds its own sample of the data (FLTrust's root dataset) needs that many examples."""
+    spec = scenario.aggregator
+    size, source = getattr(spec, "root_size", None), getattr(spec, "root_source", None)
+    if size is None or source is None:
+        return []
+    pool = len(data.y_train) if source == "train" else len(data.y_test)
+    if size > pool:
+        return [("aggregator.root_size", f"{size} examples asked for, the {source} split of {data.name} has {pool}", size)]
     return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -38,3 +39,4 @@ class RoundContext:
     layout: ModelLayout
     generator: torch.Generator  # seeded from (scenario seed, round): use it for all randomness
     previous_aggregate: torch.Tensor | None = None  # [d] the update applied last round (None in the first)
+    tools: Any = None  # fedsim/server/tools.py ServerTools: the server's own data and training (None on bare tensors)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedsim.seeding import SERVER, numpy_rng
+from fedsim.server.tools import server_sample
 from fedsim.training import predict
 
 
@@ -18,6 +19,10 @@ class CentralEvaluator:
         scenario = runtime.scenario
         self.batch_size = scenario.evaluation.batch_size
         self.x, self.y = runtime.data.x_test, runtime.data.y_test
+        held = held_out_test(runtime)
+        if held is not None:  # test examples the server holds as its own data are not evaluated on
+            keep = np.setdiff1d(np.arange(len(self.y)), held)
+            self.x, self.y = self.x[keep], self.y[keep]
         subset = scenario.evaluation.test_subset
         if subset is not None and subset < len(self.y):  # a fixed seeded subset, the same every round
             keep = np.sort(numpy_rng(scenario.seed, SERVER, 0).choice(len(self.y), subset, replace=False))
@@ -41,6 +46,14 @@ class CentralEvaluator:
             mask = self.y == self.source
             out["source_class_accuracy"] = _share(pred[mask] == self.y[mask])
         return out
+
+
+def held_out_test(runtime) -> np.ndarray | None:
+    """Indices of the test split the server holds as its own data (FLTrust's `root_source: test`), or None."""
+    spec = runtime.scenario.aggregator
+    if getattr(spec, "root_source", None) != "test":
+        return None
+    return server_sample(runtime, spec.root_size, "test")
 
 
 def _share(hits: np.ndarray) -> float:

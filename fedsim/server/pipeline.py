@@ -34,6 +34,8 @@ def rows_to_clients(info: dict, client_ids: tuple[int, ...]) -> dict:
         return [client_ids[i] for i in rows]
 
     out = dict(info)
+    if "per_row" in out:  # a rule's per-row numbers (FLTrust's trust): {name: {client id: value}}
+        out["per_row"] = {name: dict(zip(client_ids, values)) for name, values in out["per_row"].items()}
     for key in ("selected", "outvoted"):
         if key in out:
             out[key] = ids(out[key])
@@ -132,6 +134,8 @@ class RoundPipeline:
             return self.entry.obj(batch.updates, batch.weights, **kwargs)
         aggregate, info = with_info(batch.updates, batch.weights, **kwargs)
         out.aggregator = rows_to_clients(info, batch.client_ids)
+        if "weight" in out.aggregator.get("per_row", {}):  # a rule that weighs clients itself: the audit uses its weights
+            out.weights = dict(out.aggregator["per_row"]["weight"])
         return aggregate
 
     # --- state for checkpoints: the defenses' own, and the last aggregate -------------------------

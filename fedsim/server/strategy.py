@@ -38,6 +38,7 @@ from fedsim.server.evaluation import CentralEvaluator
 from fedsim.server.detection import round_detection
 from fedsim.server.pipeline import RoundPipeline, update_norms
 from fedsim.server.record import RoundRecord
+from fedsim.server.tools import ServerTools
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.updates import RoundContext, UpdateBatch
 from fedsim.wire import decode_upload, message_bytes, pack_model, records_bytes
@@ -88,6 +89,7 @@ class ScenarioStrategy(Strategy):
         self.node_of: dict[int, int] = {}  # partition id -> node id
         self.lowrank = LowRankSwitch(runtime, self.scenario.lowrank)
         self.global_vec = self.lowrank.start(runtime.initial_weights())
+        self.tools = ServerTools(runtime, self.lowrank.model)  # the server's own data and training (FLTrust)
         self.evaluator = CentralEvaluator(runtime)
         self.pending = RoundRecord(0)  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
@@ -293,7 +295,8 @@ class ScenarioStrategy(Strategy):
             record.skipped = f"{len(rows)} valid updates, fewer than federation.min_replies={self.scenario.federation.min_replies}"
             log.warning("round %s skipped: %s", server_round, record.skipped)
             return None, None
-        ctx = RoundContext(server_round, self.global_vec, self.layout, torch_generator(self.scenario.seed, SERVER, server_round))
+        ctx = RoundContext(server_round, self.global_vec, self.layout, torch_generator(self.scenario.seed, SERVER, server_round),
+                           tools=self.tools)
         outcome = self.pipeline.run(batch, strikers, ctx, record.groups or None)
         record.defenses = outcome.defenses
         if outcome.aggregator is not None:
