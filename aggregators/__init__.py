@@ -10,6 +10,8 @@ from fedsim.aggregators.base import AggregationError
 from fedsim.aggregators import fedavg  # noqa: F401  (registers)
 from fedsim.aggregators import krum, coordinate, bulyan, rfa  # noqa: F401  (register)
 from fedsim.aggregators import fltrust  # noqa: F401  (registers)
+from fedsim.aggregators import dnc, signguard  # noqa: F401  (register)
 from fedsim.aggregators import detox  # noqa: F401  (registers; nests the rules above)
+from fedsim.aggregators import centered_clipping, mixing  # noqa: F401  (register; bucketing and nnm wrap an inner rule)
 
 __all__ = ["AggregationError"]

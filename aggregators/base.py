@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -23,3 +25,23 @@ def vector_rule_names() -> list[str]:
     from fedsim.registry import AGGREGATORS
 
     return [n for n in AGGREGATORS.names() if AGGREGATORS.get(n).capability("protocol") is None]
+
+
+def inner_kwargs(spec) -> dict[str, Any]:
+    """A nested rule spec's parameters as keyword arguments (its `name` dropped)."""
+    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
+
+
+def run_inner(spec, rows: torch.Tensor, weights: torch.Tensor, ctx) -> tuple[torch.Tensor, dict | None]:
+    """A nested rule's aggregate of `rows` and its report (by row of `rows`) if it gives one. A rule
+    declared `with_context` gets `ctx`, as the server's pipeline would give it (wrappers and DETOX)."""
+    from fedsim.registry import AGGREGATORS
+
+    entry = AGGREGATORS.get(spec.name)
+    kwargs = inner_kwargs(spec)
+    if entry.capability("with_context", False):
+        kwargs["ctx"] = ctx
+    with_info = entry.capability("with_info")
+    if with_info is None:
+        return entry.obj(rows, weights, **kwargs), None
+    return with_info(rows, weights, **kwargs)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field, SerializeAsAny, field_validator
 
-from fedsim.aggregators.base import AggregationError, check_inputs, vector_rule_names
+from fedsim.aggregators.base import AggregationError, check_inputs, run_inner, vector_rule_names
 from fedsim.registry import AGGREGATORS, Params
 
 DEFAULT_INNER = "multikrum"
@@ -171,17 +171,16 @@ def parse_inner(value: Any) -> BaseModel:
     if not isinstance(value, Mapping):
         raise ValueError(f"inner must be a rule name or a mapping with `name`, got {value!r}")
     name = value.get("name", DEFAULT_INNER)
-    allowed = [n for n in vector_rule_names() if n != "detox"]
+    allowed = [n for n in vector_rule_names() if n != "detox" and not AGGREGATORS.get(n).capability("top_level_only", False)]
     if name not in allowed:
         why = {"detox": "detox cannot nest itself", "fedma": "fedma is not an [n, d] rule"}.get(
             name, f"unknown inner aggregator {name!r}"
         )
+        if name in AGGREGATORS and AGGREGATORS.get(name).capability("top_level_only", False):
+            why = f"{name} runs only as the scenario's own aggregator, not nested"
         raise ValueError(f"{why}; allowed: {', '.join(allowed)}")
     return inner_spec_model(name).model_validate({**value, "name": name})
 
-
-def inner_kwargs(spec: BaseModel) -> dict[str, Any]:
-    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
 
 
 # ---------------------------------------------------------------- parameters
@@ -284,8 +283,10 @@ def detox_with_info(
     inner: Any = DEFAULT_INNER,
     super_group_size: int | None = None,
     redundancy: bool = True,
+    ctx: Any = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """DETOX's aggregate and a JSON-friendly record of the vote, for the round log."""
+    """DETOX's aggregate and a JSON-friendly record of the vote, for the round log. `ctx` (the
+    round's context) goes on to an inner rule that reads it."""
     check_inputs(updates, weights)
     spec = parse_inner(inner)
     groups = check_groups(groups, updates.shape[0]) if groups is not None else consecutive_groups(
@@ -304,7 +305,7 @@ def detox_with_info(
         groups=len(groups), surviving_groups=survivors, inner_inputs=rows.shape[0], inner=spec.name
     )
     try:
-        out = AGGREGATORS.get(spec.name).obj(rows, row_weights, **inner_kwargs(spec))
+        out = run_inner(spec, rows, row_weights, ctx)[0]
     except AggregationError as err:
         raise AggregationError(
             f"detox: inner rule {spec.name} failed on {rows.shape[0]} inputs from {survivors} surviving "
@@ -314,7 +315,7 @@ def detox_with_info(
 
 
 # The strategy forms the groups (and gives members the same data) and logs the vote.
-@AGGREGATORS.register("detox", DetoxParams, needs_groups=True, with_info=detox_with_info)
+@AGGREGATORS.register("detox", DetoxParams, needs_groups=True, with_info=detox_with_info, with_context=True)
 def detox(updates: torch.Tensor, weights: torch.Tensor, **params: Any) -> torch.Tensor:
     """DETOX: majority vote inside redundant client groups, then a robust rule across groups."""
     return detox_with_info(updates, weights, **params)[0]

@@ -12,7 +12,9 @@ The root dataset: `root_size` examples (the paper: 100) drawn uniformly once per
 from the training split (`root_source: train`, as in the paper's experiments, which sample the
 clients' clean training data) or from the test split (`test`: a held-out sample; the central
 evaluation then leaves those examples out). The paper's biased root datasets (a class share
-`bias`) are not implemented.
+`bias`) are not implemented. FLTrust is a top-level rule only (`top_level_only`): nested inside
+DETOX or a mixing wrapper its root dataset would judge group winners or bucket means, which the
+paper does not define, so such a scenario is refused at validation.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def fltrust_with_info(updates: torch.Tensor, weights: torch.Tensor, root_size: i
     return aggregate, info
 
 
-@AGGREGATORS.register("fltrust", FLTrustParams, with_context=True, with_info=fltrust_with_info)
+@AGGREGATORS.register("fltrust", FLTrustParams, with_context=True, with_info=fltrust_with_info, top_level_only=True)
 def fltrust_rule(updates: torch.Tensor, weights: torch.Tensor, root_size: int = 100, root_source: str = "train",
                  ctx: RoundContext | None = None) -> torch.Tensor:
     """FLTrust: ReLU-cosine trust to the server's own update on a root dataset, magnitudes normalised (Cao et al. 2021)."""

@@ -29,7 +29,9 @@ from fedsim.aggregators.coordinate import TrimmedMeanParams, median, trimmed_mea
 from fedsim.aggregators.distances import pairwise_sq_distances
 from fedsim.aggregators.krum import krum, krum_scores, multikrum, multikrum_select
 from fedsim.aggregators.rfa import rfa
+from fedsim.models.layout import ModelLayout
 from fedsim.registry import AGGREGATORS
+from fedsim.updates import RoundContext
 
 # ---------------------------------------------------------------- inputs
 
@@ -304,8 +306,26 @@ def test_column_blocks_do_not_change_results(monkeypatch):
 # ---------------------------------------------------------------- properties
 
 
+class ServerUpdateOf:
+    """Stands in for the server's tools (fedsim/server/tools.py): its own update is a fixed vector."""
+
+    def __init__(self, update: torch.Tensor) -> None:
+        self.update = update
+
+    def server_data(self, size, source):
+        return None, None
+
+    def train_update(self, global_weights, layout, x, y, rnd):
+        return self.update
+
+
 def run_with_defaults(entry, updates, weights, **overrides):
-    return entry.obj(updates, weights, **entry.params(**overrides).model_dump())
+    kwargs = entry.params(**overrides).model_dump()
+    if entry.capability("with_context", False):  # a seeded round context; the server's own update: the mean
+        d = updates.shape[1]
+        kwargs["ctx"] = RoundContext(1, torch.zeros(d), ModelLayout(names=("w",), shapes=((d,),)),
+                                     torch.Generator().manual_seed(0), tools=ServerUpdateOf(updates.mean(dim=0)))
+    return entry.obj(updates, weights, **kwargs)
 
 
 # Iterative Krum (Bulyan's default selection) rescores the last few survivors with
@@ -315,9 +335,12 @@ def run_with_defaults(entry, updates, weights, **overrides):
 # Rules whose groups are positions in the batch by definition: not expected to be order-free.
 # DETOX votes inside groups of consecutive rows (clients that trained on the same data).
 POSITIONAL_RULES = {"detox"}
+# Rules that draw a random permutation of the rows: the permutation depends on the row order by
+# design (checked against a loop reference with the same permutation in its own test file).
+RANDOMIZED_RULES = {"bucketing"}
 
 PERMUTATION_CASES = [
-    (name, {}) for name in vector_rule_names() if name not in POSITIONAL_RULES | {"bulyan"}
+    (name, {}) for name in vector_rule_names() if name not in POSITIONAL_RULES | RANDOMIZED_RULES | {"bulyan"}
 ] + [
     ("bulyan", {"num_malicious": 3}),
     ("bulyan", {"num_malicious": 1, "selection": "multikrum"}),

@@ -221,7 +221,13 @@ def test_explicit_groups_need_not_be_consecutive():
     assert torch.equal(out, AGGREGATORS.get("median").obj(unique, torch.ones(5)))
 
 
-INNER_NAMES = [name for name in vector_rule_names() if name != "detox"]
+INNER_NAMES = [name for name in vector_rule_names()
+               if name != "detox" and not AGGREGATORS.get(name).capability("top_level_only", False)]
+
+
+def test_a_top_level_only_rule_is_refused_as_the_inner_rule():
+    with pytest.raises(ValueError, match="fltrust runs only as the scenario.s own aggregator"):
+        DetoxParams(inner={"name": "fltrust"})
 
 
 def test_the_listed_inner_rules_are_all_registered():
@@ -282,3 +288,20 @@ def test_inner_precondition_failure_names_detox_survivors_and_rule():
     )
     with pytest.raises(AggregationError, match=expected):
         detox(updates, torch.ones(15))
+
+
+def test_the_round_context_reaches_an_inner_rule_that_reads_it():
+    """Centered clipping inside DETOX starts from the previous aggregate the pipeline hands DETOX."""
+    from fedsim.aggregators.centered_clipping import centered_clipping
+    from fedsim.models.layout import ModelLayout
+    from fedsim.updates import RoundContext
+
+    unique = honest_rows(5, seed=12)
+    previous = torch.full((unique.shape[1],), 0.3)
+    ctx = RoundContext(2, torch.zeros(unique.shape[1]), ModelLayout(names=("w",), shapes=((unique.shape[1],),)),
+                       torch.Generator().manual_seed(0), previous_aggregate=previous)
+    inner = {"name": "centered_clipping", "tau": 0.05, "center": "previous"}
+    got = detox(redundant(unique), torch.ones(15), inner=inner, ctx=ctx)
+    want = centered_clipping(unique, torch.ones(5), tau=0.05, center="previous", ctx=ctx)
+    assert torch.allclose(got, want)
+    assert not torch.allclose(got, centered_clipping(unique, torch.ones(5), tau=0.05, center="previous", ctx=None))
