@@ -9,9 +9,13 @@ import copy
 import numpy as np
 import torch
 
-from fedsim.seeding import SERVER, numpy_rng
+from fedsim.registry import DEFENSES
+from fedsim.seeding import SERVER, derive_seed, numpy_rng
 from fedsim.server.tools import server_sample
 from fedsim.training import predict
+
+
+CERTIFY = 0xCE7  # seed stream of a certifying defense's noise
 
 
 class CentralEvaluator:
@@ -30,9 +34,28 @@ class CentralEvaluator:
         self.y = np.array(self.y)  # labels in memory (a cached test set may be memory-mapped, read-only)
         self.backdoor = runtime.attack.backdoor_test_set(runtime) if runtime.attack is not None else None
         self.source = getattr(getattr(scenario.attack, "edge_set", None), "source_class", None)
+        self.scenario = scenario
+        # defenses that certify the global model (CRFL): (name, spec, certify function)
+        self.certifiers = [(d.name, d, DEFENSES.get(d.name).capability("certify")) for d in scenario.defenses
+                           if DEFENSES.get(d.name).capability("certify") is not None]
 
-    def __call__(self, model: torch.nn.Module) -> dict:
-        """One forward pass over each set: the source-class accuracy reuses the main predictions."""
+    def certify(self, model: torch.nn.Module, rnd: int) -> dict | None:
+        """What the certifying defenses say of `model` in round `rnd` (they choose their rounds:
+        the last round always, every `certify_every` rounds if they have that parameter), or None."""
+        last = rnd == self.scenario.federation.rounds
+        out = {}
+        for name, spec, fn in self.certifiers:
+            every = getattr(spec, "certify_every", None)
+            if last or (every and rnd % every == 0):
+                sets = {"main": (self.x, self.y)}
+                if self.backdoor is not None:
+                    sets["backdoor"] = self.backdoor
+                out[name] = fn(spec, model, sets, derive_seed(self.scenario.seed, SERVER, CERTIFY, rnd))
+        return out or None
+
+    def __call__(self, model: torch.nn.Module, rnd: int | None = None) -> dict:
+        """One forward pass over each set: the source-class accuracy reuses the main predictions.
+        With `rnd`, the certifying defenses' numbers of that round come under `certification`."""
         channels_last = self.x.ndim == 4  # image models: NHWC convolutions are faster on CPU
         if channels_last:
             model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # the caller's model keeps its layout
@@ -45,6 +68,10 @@ class CentralEvaluator:
         if self.source is not None:
             mask = self.y == self.source
             out["source_class_accuracy"] = _share(pred[mask] == self.y[mask])
+        if rnd is not None and self.certifiers:
+            certification = self.certify(model, rnd)
+            if certification is not None:
+                out["certification"] = certification
         return out
 
 

@@ -11,6 +11,7 @@ Which fields a line has:
 - a trained round: everything from `round` to `honest_update_norm_median`, plus, once its updates
   reached the defenses and rule, `detection`, and, when it was aggregated (`skipped` is null),
   `aggregated`, `global_norm` and `model_params`;
+- with a certifying defense (CRFL), on its rounds, `certification`;
 - with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
   DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields.
 """
@@ -61,6 +62,7 @@ class RoundRecord:
     main_loss: float | None | _Unset = UNSET  # cross-entropy on that test set
     backdoor_success: float | None | _Unset = UNSET  # share of the attack's test set sent to its target; null without attack
     source_class_accuracy: float | None | _Unset = UNSET  # edge-case attacks: clean accuracy on the source class
+    certification: dict | _Unset = UNSET  # certifying defenses (CRFL) on their rounds: name -> certified accuracy, radii, ...
     wall_seconds: float | _Unset = UNSET  # seconds since the previous line (its own start for round 1): they add up
 
     def update(self, values: dict) -> None:

@@ -395,7 +395,7 @@ class ScenarioStrategy(Strategy):
         or, for the last round and without overlap, in the server thread."""
         if model is not None:
             t_eval = time.perf_counter()
-            record.update(self.evaluator(model))
+            record.update(self.evaluator(model, server_round))
             timing["evaluate"] = time.perf_counter() - t_eval
         now = time.perf_counter()
         if server_round:

@@ -35,6 +35,15 @@ class ServerTools:
         self.model_of = model_of  # flat global weights -> a fresh module of the current architecture
         self._data: dict = {}
 
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One input's shape (e.g. (1, 28, 28)), for rules that probe models with inputs of their own."""
+        return tuple(self.rt.data.input_shape)
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.rt.data.num_classes)
+
     def server_data(self, size: int, source: str) -> tuple[np.ndarray, np.ndarray]:
         """The server's own examples (see `server_sample`), cached."""
         key = (size, source)
