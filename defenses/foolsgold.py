@@ -67,7 +67,7 @@ def foolsgold_weights(x: torch.Tensor, kappa: float = 1.0) -> torch.Tensor:
     return torch.nan_to_num(wv, nan=0.0)
 
 
-@DEFENSES.register("foolsgold", FoolsGoldParams)
+@DEFENSES.register("foolsgold", FoolsGoldParams, fixed_layers=lambda spec: True)
 class FoolsGold(Defense):
     """FoolsGold: down-weight clients whose output-layer update histories are too alike (Fung et al. 2020)."""
 

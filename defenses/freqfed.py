@@ -83,7 +83,7 @@ def low_frequency_features(rows: torch.Tensor, layout: ModelLayout, names: tuple
     return np.concatenate(parts, axis=1) if parts else np.zeros((n, 0))
 
 
-@DEFENSES.register("freqfed", FreqFedParams)
+@DEFENSES.register("freqfed", FreqFedParams, fixed_layers=lambda spec: spec.layers is not None)
 class FreqFed(Defense):
     """FreqFed: keep the largest HDBSCAN cluster of the models' low-frequency DCT coefficients (Fereidooni et al. 2024)."""
 

@@ -69,8 +69,11 @@ class Registry:
 
     def register(self, name: str, params: type[Params] = Params, **capabilities: Any) -> Callable[[Any], Any]:
         """Decorator: register `obj` as `name` with its parameter model and its capabilities, e.g. an
-        aggregator's `needs_groups=True`, `with_info=fn` (also reports what it chose) or
-        `protocol=...` (a multi-exchange protocol with its own strategy, like FedMA)."""
+        aggregator's `needs_groups=True`, `with_info=fn` (also reports what it chose),
+        `with_context=True` (is given the round's context), `top_level_only=True` (never nested in
+        DETOX or a wrapper) or `protocol=...` (a multi-exchange protocol with its own strategy, like
+        FedMA); a defense's `fixed_layers=fn(spec) -> bool` (cannot follow a low-rank switch) or
+        `certify="module:function"` (certifies the global model at evaluation, like CRFL)."""
 
         def deco(obj: Any) -> Any:
             if name in self._entries:

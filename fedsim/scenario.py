@@ -162,10 +162,13 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
     if check is not None:  # a protocol's own refusals (FedMA: no codecs, defenses, low rank, ...)
         out += check(sc)
     if sc.lowrank is not None:
-        stateful = [d.name for d in sc.defenses if d.name == "foolsgold"]
-        if stateful:
-            out.append(("lowrank", f"lowrank.name={sc.lowrank.name} changes the model's layers mid-run, which defenses={stateful} "
-                        "cannot follow (their per-layer history would no longer fit); drop one of the two", sc.lowrank.name))
+        # defenses that declare they rely on the model's tensors staying as they are (a per-layer
+        # history, named layers): fixed_layers(spec) -> bool in their registry entry
+        fixed = [d.name for d in sc.defenses if DEFENSES.get(d.name).capability("fixed_layers", lambda spec: False)(d)]
+        if fixed:
+            out.append(("lowrank", f"lowrank.name={sc.lowrank.name} changes the model's layers mid-run, which defenses={fixed} "
+                        "cannot follow (their per-layer history or named layers would no longer fit); drop one of the two",
+                        sc.lowrank.name))
     return out
 
 

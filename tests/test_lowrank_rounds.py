@@ -64,3 +64,10 @@ def test_resume_across_the_switch_matches_uninterrupted(tmp_path):
 def test_lowrank_with_foolsgold_is_refused_at_validation():
     with pytest.raises(ScenarioError, match="foolsgold"):
         load_scenario("scenarios/quickstart.yaml", ["lowrank=pufferfish", "defenses=[foolsgold]"])
+
+
+def test_a_defense_on_named_layers_is_refused_with_lowrank_and_one_on_all_layers_is_not():
+    with pytest.raises(ScenarioError, match=r"defenses=\['freqfed'\]"):
+        load_scenario("scenarios/quickstart.yaml", ["lowrank=pufferfish", "defenses=[{name: freqfed, layers: [net.0.weight]}]"])
+    load_scenario("scenarios/quickstart.yaml", ["lowrank=pufferfish", "defenses=[freqfed, fldetector]"])
+

@@ -70,3 +70,19 @@ def test_finished_run_is_not_rerun(tmp_path):
     before = (run_dir / "rounds.jsonl").read_text()
     run(scenario, run_dir)
     assert (run_dir / "rounds.jsonl").read_text() == before
+
+
+def test_stateful_rule_and_defense_resume_identically(tmp_path):
+    """Centered clipping's previous aggregate and FLDetector's history live in the server checkpoint:
+    a run killed after round 3 and resumed ends where the uninterrupted run ends."""
+    scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES + [
+        "aggregator={name: centered_clipping, tau: 0.5}", "defenses=[{name: fldetector, window: 2}]",
+        "federation.clients_per_round=8"])
+    full_dir = RunFolder.create(scenario, tmp_path / "full").path
+    run(scenario, full_dir)
+    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
+    with pytest.raises(Killed):
+        run(scenario, cut_dir, kill_after=3)
+    run(scenario, cut_dir)
+    assert metrics(read_rounds(cut_dir)) == metrics(read_rounds(full_dir))
+    assert any("scores" in r.get("defenses", {}).get("fldetector", {}) for r in read_rounds(full_dir))
