@@ -52,3 +52,26 @@ def test_a_base_that_is_not_a_readable_path_is_refused(tmp_path, capsys, base, n
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and len(err) < 3000
+
+
+def test_a_case_axis_sets_several_keys_at_once(tmp_path):
+    quickstart = Path(__file__).resolve().parents[1] / "scenarios" / "quickstart.yaml"
+    (tmp_path / "s.yaml").write_text(
+        f"base: {quickstart}\nname: cases\nfederation: {{rounds: 2}}\nsweep:\n"
+        "  defense:\n"
+        "    - {label: none, aggregator: fedavg, defenses: []}\n"
+        "    - {label: flame-krum, aggregator: {name: krum, num_malicious: 1}, defenses: [flame]}\n"
+        "  seed: [1, 2]\n")
+    name, runs = expand(tmp_path / "s.yaml")
+    assert [r.name for r in runs] == ["defense_none__seed_1", "defense_none__seed_2",
+                                      "defense_flame-krum__seed_1", "defense_flame-krum__seed_2"]
+    krum = runs[2].scenario
+    assert krum.aggregator.name == "krum" and [d.name for d in krum.defenses] == ["flame"] and krum.seed == 1
+    assert runs[0].scenario.aggregator.name == "fedavg" and runs[0].scenario.defenses == []
+
+
+def test_a_case_axis_needs_mappings(tmp_path, capsys):
+    quickstart = Path(__file__).resolve().parents[1] / "scenarios" / "quickstart.yaml"
+    (tmp_path / "s.yaml").write_text(f"base: {quickstart}\nsweep:\n  defense: [fedavg, krum]\n")
+    assert main(["validate", str(tmp_path / "s.yaml")]) != 0
+    assert "each of its values must be a mapping of scenario keys" in capsys.readouterr().err

@@ -59,8 +59,8 @@ def swept_values(run: Path) -> dict:
 
 
 def _short(value) -> str:
-    if isinstance(value, dict):
-        return value.get("name", json.dumps(value))
+    if isinstance(value, dict):  # a component, or a sweep's case (its label)
+        return value.get("name", value.get("label", json.dumps(value)))
     if isinstance(value, list):
         return "+".join(_short(v) for v in value) or "none"
     return str(value)

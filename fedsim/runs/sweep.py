@@ -9,6 +9,19 @@ sweep:
   seed: [0, 1]
 ```
 
+A swept key that is not a scenario section is a *case axis*: each of its values is a mapping of
+dotted scenario keys set together, with an optional `label` naming the case (a robust rule and a
+defense are one case: `aggregator: fedavg, defenses: [flame]`):
+
+```yaml
+sweep:
+  defense:
+    - {label: none, aggregator: fedavg, defenses: []}
+    - {label: flame, aggregator: fedavg, defenses: [flame]}
+    - {label: krum, aggregator: {name: krum, num_malicious: 2}}
+  attack: [null, {name: alie, num_attackers: 10}]
+```
+
 A sweep file may start from another scenario with `base: relative/path.yaml`; its own keys are
 merged over the base (mappings key by key, except that a component mapping with a different
 `name` replaces the base's; everything else is replaced). Every combination is
@@ -81,6 +94,25 @@ def _set(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = copy.deepcopy(value)
 
 
+def scenario_sections() -> set[str]:
+    """The scenario's top-level keys: a swept key outside them is a case axis."""
+    from fedsim.scenario import scenario_model
+
+    return set(scenario_model().model_fields)
+
+
+def _case_settings(path, axis: str, case: Any) -> list[tuple[str, Any]]:
+    """The (dotted key, value) pairs one value of a case axis sets."""
+    if not isinstance(case, dict) or not case or not all(isinstance(k, str) for k in case):
+        raise ScenarioError(str(path), [(f"sweep.{axis}", f"{axis} is not a scenario section, so each of its values must be "
+                                         "a mapping of scenario keys to set together (a case), with an optional label", case)])
+    return [(k, v) for k, v in case.items() if k != "label"]
+
+
+def _case_label(case: dict) -> str:
+    return _token(case["label"]) if "label" in case else "-".join(_token(v) for k, v in case.items())
+
+
 def deep_merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in over.items():
@@ -113,6 +145,7 @@ def expand(path: str | Path, overrides: list[str] | None = None) -> tuple[str, l
         raise ScenarioError(str(path), bad)
     raw = apply_overrides(raw, list(overrides or []))
     keys = list(grid)
+    cases = {k for k in keys if k.split(".")[0] not in scenario_sections()}
     total = 1
     for k in keys:
         total *= len(grid[k])
@@ -123,8 +156,9 @@ def expand(path: str | Path, overrides: list[str] | None = None) -> tuple[str, l
         values = dict(zip(keys, combo))
         this = copy.deepcopy(raw)
         for k, v in values.items():
-            _set(this, k, v)
-        name = "__".join(f"{k.split('.')[-1]}={_token(v)}" for k, v in values.items())
+            for key, value in (_case_settings(path, k, v) if k in cases else [(k, v)]):
+                _set(this, key, value)
+        name = "__".join(f"{k.split('.')[-1]}={_case_label(v) if k in cases else _token(v)}" for k, v in values.items())
         this["name"] = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:150]
         try:
             runs.append(SweepRun(this["name"], values, validate_scenario(this, f"{path} [{name}]")))
