@@ -1,6 +1,10 @@
-"""Time per aggregation of the robust rules at LeNet size, next to one X @ X.T on the same data.
+"""Time per aggregation of the robust rules and defenses at LeNet size, next to one X @ X.T on the same data.
 
-Also Krum's Gram product against a per-pair loop.
+Every registered [n, d] rule (DETOX needs redundant groups: benchmarks/detox.py) and the defenses
+that work on the updates alone: `before` + `after` on the same batch, FLDetector in its steady
+state (its window filled first). FLTrust is timed with the server's update given (its training on
+the root dataset, a client's local training, is not included). Also Krum's Gram product against a
+per-pair loop.
 
 Run: `.venv/bin/python benchmarks/aggregators.py [--quick]`. Prints median wall-clock times of a few
 repeats with torch on 2 threads, and ratios measured in the same run. Asserts nothing about time.
@@ -18,11 +22,62 @@ _HERE = Path(__file__).resolve().parent
 
 import torch  # noqa: E402
 
+from fedsim.aggregators.base import vector_rule_names  # noqa: E402
 from fedsim.aggregators.krum import scores_from_distances  # noqa: E402
-from fedsim.registry import AGGREGATORS  # noqa: E402
+from fedsim.models.layout import ModelLayout  # noqa: E402
+from fedsim.registry import AGGREGATORS, DEFENSES  # noqa: E402
+from fedsim.updates import RoundContext, UpdateBatch  # noqa: E402
 
 # Rules that take any batch of updates (DETOX needs redundant groups: benchmarks/detox.py).
-RULES = ("fedavg", "krum", "multikrum", "median", "trimmed_mean", "bulyan", "rfa")
+RULES = tuple(n for n in vector_rule_names() if not AGGREGATORS.get(n).capability("needs_groups", False))
+# Defenses that need nothing but the updates (DeepSight and CRFL's certification run models).
+DEFENSE_NAMES = ("norm_clipping", "weak_dp", "flame", "foolsgold", "rlr", "freqfed", "fldetector")
+
+
+class GivenServerUpdate:
+    """FLTrust's server tools with the server's own update given (its training is not timed)."""
+
+    def __init__(self, update: torch.Tensor) -> None:
+        self.update = update
+
+    def server_data(self, size, source):
+        return None, None
+
+    def train_update(self, global_weights, layout, x, y, rnd):
+        return self.update
+
+
+def context(updates: torch.Tensor, rnd: int = 1) -> RoundContext:
+    d = updates.shape[1]
+    layout = ModelLayout(names=("hidden", "out.weight", "out.bias"), shapes=((d - 110,), (10, 10), (10,)))
+    return RoundContext(rnd, torch.zeros(d), layout, torch.Generator().manual_seed(rnd),
+                        previous_aggregate=updates.mean(dim=0), tools=GivenServerUpdate(updates.mean(dim=0)))
+
+
+def rule_call(entry, updates, weights):
+    params = entry.params().model_dump()
+    if entry.capability("with_context", False):
+        params["ctx"] = context(updates)
+    return lambda: entry.obj(updates, weights, **params)
+
+
+def defense_call(name, updates, weights):
+    entry = DEFENSES.get(name)
+    spec = entry.spec_model()(name=name, **({"window": 3} if name == "fldetector" else {}))
+    defense = entry.obj(spec)
+    batch = UpdateBatch(updates, weights, tuple(range(updates.shape[0])))
+    if name == "fldetector":  # steady state: the window of pairs is full
+        for rnd in range(1, 5):
+            noisy = updates + 0.01 * torch.randn_like(updates)
+            kept, _ = defense.before(batch.with_updates(noisy), context(noisy, rnd))
+            defense.after(kept.updates.mean(dim=0), context(noisy, rnd))
+
+    def once():
+        ctx = context(updates, 5)
+        kept, _ = defense.before(batch, ctx)
+        defense.after(kept.updates.mean(dim=0), ctx)
+
+    return once
 MEMORY_LIMIT_BYTES = 4e9
 PEAK_COPIES = 3  # input + one same-size temporary (centred rows, |x - z|) + slack
 
@@ -76,10 +131,10 @@ def main() -> None:
     naive_rows = []
     for d in sizes_d:
         print(f"\nd = {d:,}: ms per aggregation (default params)")
-        print(f"{'rule':<14}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
-        cells: dict[str, list[str]] = {e.name: [] for e in entries}
+        print(f"{'rule / +defense':<20}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
+        cells: dict[str, list[str]] = {e.name: [] for e in entries} | {f"+{n}": [] for n in DEFENSE_NAMES}
         cells["X @ X.T"] = []
-        ratios: dict[str, list[str]] = {e.name: [] for e in entries}
+        ratios: dict[str, list[str]] = {e.name: [] for e in entries} | {f"+{n}": [] for n in DEFENSE_NAMES}
         for n in sizes_n:
             if not fits_in_memory(n, d):
                 for name in cells:
@@ -92,10 +147,13 @@ def main() -> None:
             gram = median_seconds(lambda: updates @ updates.T, args.repeats)
             cells["X @ X.T"].append(f"{gram * 1e3:.1f}")
             for e in entries:
-                params = e.params().model_dump()
-                secs = median_seconds(lambda: e.obj(updates, weights, **params), args.repeats)
+                secs = median_seconds(rule_call(e, updates, weights), args.repeats)
                 cells[e.name].append(f"{secs * 1e3:.1f}")
                 ratios[e.name].append(f"{secs / gram:.2f}")
+            for name in DEFENSE_NAMES:
+                secs = median_seconds(defense_call(name, updates, weights), args.repeats)
+                cells[f"+{name}"].append(f"{secs * 1e3:.1f}")
+                ratios[f"+{name}"].append(f"{secs / gram:.2f}")
             if n <= naive_max_n:  # the loop is slow and its run-to-run noise small: time it once
                 krum = AGGREGATORS.get("krum").obj
                 fast = median_seconds(lambda: krum(updates, weights), args.repeats)
@@ -103,11 +161,11 @@ def main() -> None:
                 naive_rows.append((n, d, fast, slow))
             del updates
         for name, row in cells.items():
-            print(f"{name:<14}" + "".join(f"{c:>11}" for c in row))
+            print(f"{name:<20}" + "".join(f"{c:>11}" for c in row))
         print(f"\nd = {d:,}: time per aggregation / time of one X @ X.T (same data, same run)")
-        print(f"{'rule':<14}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
+        print(f"{'rule / +defense':<20}" + "".join(f"{f'n={n}':>11}" for n in sizes_n))
         for name, row in ratios.items():
-            print(f"{name:<14}" + "".join(f"{c:>11}" for c in row))
+            print(f"{name:<20}" + "".join(f"{c:>11}" for c in row))
 
     print("\nkrum: one Gram product vs a Python loop over pairs (same run)")
     print(f"{'n':>5} {'d':>8} {'gram ms':>10} {'loop ms':>10} {'loop/gram':>10}")

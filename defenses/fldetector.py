@@ -37,7 +37,8 @@ from fedsim.updates import RoundContext, UpdateBatch
 
 
 def lbfgs_hvp(s: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """B·v for the L-BFGS matrix B built from the pairs (columns of s, y: [d, m]), compact form."""
+    """B·v for the L-BFGS matrix B built from the pairs (columns of s, y: [d, m]), compact form;
+    `v` is one vector [d] or several as columns [d, k]."""
     sty = s.T @ y
     sts = s.T @ s
     lower = torch.tril(sty, diagonal=-1)  # L: strictly lower part of SᵀY
@@ -169,12 +170,14 @@ class FLDetector(Defense):
     def _score(self, ids: list[int], grads: torch.Tensor, w: torch.Tensor, t: int) -> dict[int, float]:
         """Each predictable client's suspicion score this round (mean normalised error in the window)."""
         s, y = torch.stack(self.s, dim=1), torch.stack(self.y, dim=1)
+        rows = [(c, g) for c, g in zip(ids, grads) if c in self.seen and self.seen[c][0] in self.models]
         errors = {}
-        for c, g in zip(ids, grads):
-            if c in self.seen and self.seen[c][0] in self.models:
-                tau, g_old = self.seen[c]
-                predicted = g_old + lbfgs_hvp(s, y, w - self.models[tau])
-                errors[c] = float(torch.linalg.vector_norm(predicted - g))
+        if rows:  # one L-BFGS product for all predicted clients: the columns w_t − w_τ
+            steps = torch.stack([w - self.models[self.seen[c][0]] for c, _ in rows], dim=1)
+            old = torch.stack([self.seen[c][1] for c, _ in rows], dim=1)
+            predicted = old + lbfgs_hvp(s, y, steps)
+            now = torch.stack([g for _, g in rows], dim=1)
+            errors = dict(zip([c for c, _ in rows], torch.linalg.vector_norm(predicted - now, dim=0).tolist()))
         total = sum(errors.values())
         if not errors or total <= 0:
             return {}

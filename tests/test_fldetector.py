@@ -121,3 +121,12 @@ def test_a_checkpoint_mid_run_continues_identically():
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     cut_log += run_rounds(resumed, problem, rounds=4, attackers=(4,), start_attack=5, first=6)
     assert cut_log == full_log
+
+
+def test_the_product_takes_several_vectors_as_columns():
+    rng = np.random.default_rng(9)
+    s, y, v = (torch.tensor(rng.normal(size=shape)) for shape in ((6, 3), (6, 3), (6, 4)))
+    y = y + 3 * s  # sᵀy > 0
+    together = lbfgs_hvp(s, y, v)
+    for k in range(4):
+        assert torch.allclose(together[:, k], lbfgs_hvp(s, y, v[:, k]))
