@@ -4,5 +4,7 @@ from fedsim.defenses.base import Defense, RoundContext, UpdateBatch
 from fedsim.defenses import clipping, flame, foolsgold  # noqa: F401  (registers)
 from fedsim.defenses import fldetector  # noqa: F401  (registers)
 from fedsim.defenses import freqfed, rlr  # noqa: F401  (registers)
+from fedsim.defenses import crfl  # noqa: F401  (registers)
+from fedsim.defenses import deepsight  # noqa: F401  (registers)
 
 __all__ = ["Defense", "RoundContext", "UpdateBatch"]

@@ -50,7 +50,7 @@ class CentralEvaluator:
                 sets = {"main": (self.x, self.y)}
                 if self.backdoor is not None:
                     sets["backdoor"] = self.backdoor
-                out[name] = fn(spec, model, sets, derive_seed(self.scenario.seed, SERVER, CERTIFY, rnd))
+                out[name] = fn(spec, model, sets, derive_seed(self.scenario.seed, SERVER, CERTIFY, rnd), rnd=rnd)
         return out or None
 
     def __call__(self, model: torch.nn.Module, rnd: int | None = None) -> dict:
