@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from fedsim.server.record import TIME_FIELDS
 from fedsim.client.app import make_client_app
 from fedsim.server.evaluation import CentralEvaluator
 from fedsim.runs.folder import RunFolder
@@ -37,7 +38,7 @@ def run(tmp_path, progress=None, checkpoints=False, overrides=(), overlap=True):
 
 
 def metrics(rounds):
-    return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rounds]
+    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rounds]
 
 
 @pytest.mark.parametrize("extra", [[], ["evaluation.every=3", "evaluation.initial=true"]])
@@ -55,9 +56,9 @@ def test_evaluation_really_overlaps_and_lines_stay_ordered_with_checkpoints(tmp_
     events = []
     slow = CentralEvaluator.__call__
 
-    def slow_evaluation(self, model):
+    def slow_evaluation(self, model, rnd=None):
         time.sleep(0.3)
-        return slow(self, model)
+        return slow(self, model, rnd)
 
     started = ScenarioStrategy.configure_train
 
@@ -94,9 +95,9 @@ def test_an_interrupted_run_keeps_the_line_being_evaluated(tmp_path, monkeypatch
     the run stops with that error, and round 2's line is written all the same."""
     slow = CentralEvaluator.__call__
 
-    def slow_evaluation(self, model):
+    def slow_evaluation(self, model, rnd=None):
         time.sleep(0.5)
-        return slow(self, model)
+        return slow(self, model, rnd)
 
     aggregate = ScenarioStrategy.aggregate_train
 
@@ -122,11 +123,11 @@ def test_an_error_in_the_background_evaluation_stops_the_run(tmp_path, monkeypat
     ok = CentralEvaluator.__call__
     calls = {"n": 0}
 
-    def failing_evaluation(self, model):
+    def failing_evaluation(self, model, rnd=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise ValueError("evaluation blew up in round 2")
-        return ok(self, model)
+        return ok(self, model, rnd)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", failing_evaluation)
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=true"])
@@ -156,9 +157,9 @@ def test_evaluation_threads(tmp_path, monkeypatch, overrides, expected):
     ok = CentralEvaluator.__call__
     server_threads = torch.get_num_threads()
 
-    def recording(self, model):
+    def recording(self, model, rnd=None):
         seen[len(seen) + 1] = torch.get_num_threads()
-        return ok(self, model)
+        return ok(self, model, rnd)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", recording)
     overlap = "evaluation.overlap=false" not in overrides
@@ -178,10 +179,10 @@ def test_deferred_last_evaluation_completes_after_return(tmp_path, monkeypatch):
     slow = CentralEvaluator.__call__
     threads = []
 
-    def slow_evaluation(self, model):
+    def slow_evaluation(self, model, rnd=None):
         time.sleep(0.4)
         threads.append(torch.get_num_threads())
-        return slow(self, model)
+        return slow(self, model, rnd)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", slow_evaluation)
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK)

@@ -80,8 +80,13 @@ def run_row(run: Path, label: str | None = None) -> dict:
         "mean_backdoor": sum(bd) / len(bd) if bd else None,
         "mb_up": sum(r.get("bytes_up", 0) for r in rounds) / 1e6,
         "seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
+        "pipeline_ms": _mean_ms([r["pipeline_seconds"] for r in rounds if r.get("pipeline_seconds") is not None]),
         **detection_columns(run_detection(rounds)),
     }
+
+
+def _mean_ms(seconds: list[float]) -> float | None:
+    return 1000 * sum(seconds) / len(seconds) if seconds else None
 
 
 def detection_columns(total: dict | None) -> dict:
@@ -89,6 +94,10 @@ def detection_columns(total: dict | None) -> dict:
     total = total or {}
     return {"tpr": total.get("tpr"), "fpr": total.get("fpr"), "f1": total.get("f1"),
             "false_alarms": total.get("false_alarm_rate_without_attackers")}
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def _pct(v) -> str:
@@ -102,8 +111,8 @@ def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> s
     lines = [
         "| run | " + "".join(f"{k} | " for k in keys)
         + "rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % "
-        "| TPR % | FPR % | F1 % | false alarms, no attacker % | MB up | s |",
-        "|---|" + "---|" * len(keys) + "---:|" * 12,
+        "| TPR % | FPR % | F1 % | false alarms, no attacker % | defenses + rule ms/round | MB up | s |",
+        "|---|" + "---|" * len(keys) + "---:|" * 13,
     ]
     for run in runs:
         r, swept = run_row(run, labels.get(run)), swept_values(run)
@@ -111,7 +120,7 @@ def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> s
             f"| {r['run']} | " + "".join(f"{_short(swept.get(k, '-'))} | " for k in keys)
             + f"{r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
             f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {_pct(r['tpr'])} | {_pct(r['fpr'])} "
-            f"| {_pct(r['f1'])} | {_pct(r['false_alarms'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
+            f"| {_pct(r['f1'])} | {_pct(r['false_alarms'])} | {_ms(r['pipeline_ms'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -58,6 +58,7 @@ class RoundRecord:
     global_widths: list[int] | _Unset = UNSET  # FedMA: hidden widths of the global model
     model_growth: float | _Unset = UNSET  # FedMA: global parameters / initial parameters
     match_seconds: float | _Unset = UNSET  # FedMA: seconds spent in BBP-MAP matching
+    pipeline_seconds: float | _Unset = UNSET  # seconds in the round's pipeline: server-side attack, defenses, rule
     main_accuracy: float | None | _Unset = UNSET  # accuracy on the (subsampled) test set, on evaluated rounds
     main_loss: float | None | _Unset = UNSET  # cross-entropy on that test set
     backdoor_success: float | None | _Unset = UNSET  # share of the attack's test set sent to its target; null without attack
@@ -78,3 +79,10 @@ class RoundRecord:
 
 
 _NAMES = frozenset(f.name for f in fields(RoundRecord))
+# Wall-clock fields: they differ from run to run; everything else in a line is reproducible.
+TIME_FIELDS = frozenset({"wall_seconds", "match_seconds", "pipeline_seconds"})
+
+
+def without_times(lines: list[dict]) -> list[dict]:
+    """The lines without their wall-clock fields (what must be equal between two runs of one seed)."""
+    return [{k: v for k, v in line.items() if k not in TIME_FIELDS} for line in lines]

@@ -297,7 +297,9 @@ class ScenarioStrategy(Strategy):
             return None, None
         ctx = RoundContext(server_round, self.global_vec, self.layout, torch_generator(self.scenario.seed, SERVER, server_round),
                            tools=self.tools)
+        t_pipeline = time.perf_counter()
         outcome = self.pipeline.run(batch, strikers, ctx, record.groups or None)
+        record.pipeline_seconds = time.perf_counter() - t_pipeline
         record.defenses = outcome.defenses
         if outcome.aggregator is not None:
             record.aggregator = outcome.aggregator

@@ -34,7 +34,7 @@ REPO = HERE.parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))  # local_grid
 
-TIME_KEYS = {"wall_seconds", "match_seconds"}  # wall-clock times: differ from run to run
+TIME_KEYS = {"wall_seconds", "match_seconds", "pipeline_seconds"}  # wall-clock times: differ from run to run
 
 QUICKSTART = "scenarios/quickstart.yaml"
 FEDMA = "scenarios/fedma/digits_mlp.yaml"
