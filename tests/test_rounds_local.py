@@ -104,6 +104,19 @@ def test_crashing_client_is_reported_not_fatal(tmp_path):
     assert summary["rounds_completed"] == 4
 
 
+def test_the_links_answer_for_an_offline_node_is_recorded_under_that_node(tmp_path):
+    """A SuperLink answers for a node it marked offline with an error from its own node id; the
+    failure must go to the client whose message it answers, not to a client "-1", and the dead
+    client must not also get a false "no reply" (issue #21, item 4)."""
+    scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
+    run_dir = RunFolder.create(scenario, tmp_path).path
+    run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients, offline={1}), scenario, run_dir)
+    rounds = read_rounds(run_dir)
+    hit = [r for r in rounds if 1 in r["sampled"]]
+    assert hit and all(r["rejected"]["1"] == "client error: the node is offline" for r in hit)
+    assert all("-1" not in r.get("rejected", {}) for r in rounds)
+
+
 def test_initial_evaluation_writes_round_zero(tmp_path):
     rounds, summary, _ = run(tmp_path, ["evaluation.initial=true", "evaluation.every=2"])
     assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]

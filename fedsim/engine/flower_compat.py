@@ -182,6 +182,19 @@ def act_as_superlink(run_id: int = 1) -> None:
     identity.node_id = _get("flwr.common.constant:SUPERLINK_NODE_ID")
 
 
+def stamp_message_id(message, message_id: str) -> None:
+    """Give a message the id a grid gives it when it is pushed (the in-process grid has no link)."""
+    require("messages-outside-a-runtime")
+    message.metadata.__dict__["_message_id"] = message_id
+
+
+def from_the_link(reply) -> Any:
+    """`reply` as the SuperLink sends it for a node it has marked offline: from the link's own node id."""
+    require("messages-outside-a-runtime")
+    reply.metadata.__dict__["_src_node_id"] = _get("flwr.common.constant:SUPERLINK_NODE_ID")
+    return reply
+
+
 # --- forking-executor -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RuntimeApi:

@@ -1,17 +1,21 @@
 """An in-process Flower Grid that calls the ClientApp directly: the same messages and the same
 strategy code as under Ray, without Ray's start-up cost. The fast tests, the golden metrics and
-the benchmarks' plain references run on it; `tamper` and `fail` rewrite or crash chosen replies."""
+the benchmarks' plain references run on it; `tamper` and `fail` rewrite or crash chosen replies,
+and `offline` nodes are answered for by the link, as a SuperLink answers for a node it has marked
+offline (an error reply from the link's own node id)."""
 
 from __future__ import annotations
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim.engine.flower_compat import act_as_superlink
+from uuid import uuid4
+
+from fedsim.engine.flower_compat import act_as_superlink, from_the_link, stamp_message_id
 
 
 class LocalGrid(Grid):
-    def __init__(self, client_app, num_nodes: int, tamper=None, fail=()) -> None:
+    def __init__(self, client_app, num_nodes: int, tamper=None, fail=(), offline=()) -> None:
         act_as_superlink(run_id=1)  # Messages need a task identity outside a running app
         self._app = client_app
         self._ids = [1000 + 7 * i for i in range(num_nodes)]  # node ids unrelated to partition ids
@@ -22,6 +26,7 @@ class LocalGrid(Grid):
         }
         self.tamper = tamper  # optional: (partition id, reply) -> reply, to simulate broken uploads
         self.fail = set(fail)  # partition ids whose ClientApp crashes
+        self.offline = set(offline)  # partition ids whose node is gone: the link answers for them, from its own id
 
     def set_run(self, run):
         pass
@@ -45,7 +50,11 @@ class LocalGrid(Grid):
     def send_and_receive(self, messages, *, timeout=None):
         out = []
         for m in messages:
+            stamp_message_id(m, str(uuid4()))  # as a grid does when it pushes a message
             ctx = self._ctx[m.metadata.dst_node_id]
+            if int(ctx.node_config["partition-id"]) in self.offline and m.metadata.message_type == "train":
+                out.append(from_the_link(Message(Error(code=0, reason="the node is offline"), reply_to=m)))
+                continue
             try:
                 if int(ctx.node_config["partition-id"]) in self.fail and m.metadata.message_type == "train":
                     raise RuntimeError("device out of memory")

@@ -34,7 +34,7 @@ from fedsim.fedma.client import arch_for, record_to_state, state_to_record
 from fedsim.models.layout import ModelLayout
 from fedsim.seeding import SERVER, derive_seed
 from fedsim.server.record import RoundRecord
-from fedsim.server.strategy import ScenarioStrategy
+from fedsim.server.strategy import ReplyOwners, ScenarioStrategy
 from fedsim.compression.base import PayloadError
 from fedsim.wire import MAX_EXAMPLES, check_loss, error_text, excerpt, message_bytes, records_bytes
 
@@ -59,6 +59,7 @@ class FedMAStrategy(ScenarioStrategy):
         self.initial_params = num_params(self.global_state())
         self.assignments: dict[int, list[np.ndarray]] = {}  # from the last round each client completed
         self.grid: Grid | None = None
+        self._exchange: list[tuple[Message, int]] = []  # the current exchange's messages and their clients
 
     def _default_widths(self) -> tuple[int, ...]:
         from fedsim.fedma.arch import resized_default, state_of
@@ -111,6 +112,7 @@ class FedMAStrategy(ScenarioStrategy):
         fresh = rnd == 1 and self.params.local_init
         gstate = None if fresh else self.global_state()
         messages, down_per_client = [], {}
+        self._exchange = []  # (message, partition id) of this exchange: replies are matched to them
         for pid in sampled:
             content = {"config": ConfigRecord({"server-round": rnd, "fedma-step": "local"})}
             if gstate is not None:
@@ -118,6 +120,7 @@ class FedMAStrategy(ScenarioStrategy):
                 content["arrays"] = state_to_record(self.arch.slice_for_client(gstate, own) if own else gstate)
             down_per_client[pid] = records_bytes(content)
             messages.append(Message(RecordDict(content), dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN))
+            self._exchange.append((messages[-1], pid))
         self.pending = RoundRecord(rnd, sampled, strikers, bytes_down=sum(down_per_client.values()),
                                    bytes_down_per_client=down_per_client)
         return messages
@@ -147,6 +150,7 @@ class FedMAStrategy(ScenarioStrategy):
             self.arch.set_neurons(new_state, l, result.theta)
             layer = self.arch.layers[l]
             messages = []
+            self._exchange = []
             for pid, assignment in zip(pids, result.assignments):
                 own[pid].append(assignment)
                 content = {
@@ -159,6 +163,7 @@ class FedMAStrategy(ScenarioStrategy):
                 record.bytes_down += size
                 record.bytes_down_per_client[pid] = record.bytes_down_per_client.get(pid, 0) + size
                 messages.append(Message(RecordDict(content), dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN))
+                self._exchange.append((messages[-1], pid))
             replies = list(self.grid.send_and_receive(messages, timeout=self.scenario.federation.round_timeout))
             exchanges += 1
             self._widen_inputs(new_state, l)
@@ -211,10 +216,10 @@ class FedMAStrategy(ScenarioStrategy):
 
     def _collect(self, replies, l: int, expected: list[int], state: State, record: RoundRecord, counts: dict, losses: dict) -> dict:
         """Valid uploads of layer l by partition id; the rest are logged in `rejected`."""
-        pid_of = {node: pid for pid, node in self.node_of.items()}
+        owner = ReplyOwners(self._exchange, self.node_of)
         out, seen = {}, set()
         for reply in replies:
-            pid = pid_of.get(reply.metadata.src_node_id, -1)
+            pid = owner(reply)
             seen.add(pid)
             if pid not in expected:
                 continue

@@ -47,6 +47,27 @@ log = logging.getLogger("fedsim")
 timing_log = logging.getLogger("fedsim.timing")  # one INFO record per round, the seconds in `record.fedsim_timing`
 
 
+class ReplyOwners:
+    """Which client a reply belongs to: the client of the message it answers (`reply_to_message_id`).
+
+    Not its `src_node_id`: a SuperLink answers for a node it has marked offline with an error reply
+    from its own node id, which would put the failure under a client that does not exist and leave
+    the dead client with a false timeout. The grid gives each message its id when it pushes it, so
+    the map is read after sending. A reply whose message id is unknown (a grid that sets none)
+    falls back to its source node."""
+
+    def __init__(self, sent: list[tuple[Message, int]], node_of: dict[int, int]) -> None:
+        self.sent = sent
+        self.node_pid = {node: pid for pid, node in node_of.items()}
+        self._by_id: dict[str, int] | None = None
+
+    def __call__(self, reply: Message) -> int:
+        if self._by_id is None:
+            self._by_id = {m.metadata.message_id: pid for m, pid in self.sent if m.metadata.message_id}
+        pid = self._by_id.get(reply.metadata.reply_to_message_id)
+        return pid if pid is not None else self.node_pid.get(reply.metadata.src_node_id, -1)
+
+
 class Background:
     """One call in its own (non-daemon) thread; `result()` joins it and re-raises its error.
 
@@ -93,7 +114,7 @@ class ScenarioStrategy(Strategy):
         self.evaluator = CentralEvaluator(runtime)
         self.pending = RoundRecord(0)  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
-        self._node_pid: dict[int, int] = {}  # node id -> partition id (the inverse of node_of)
+        self._owner = ReplyOwners([], {})  # this round's messages: whose is each reply
         self._timing: dict[int, dict[str, float]] = {}  # round -> seconds spent per step (logged)
         self._sent_at = self.t_round  # when this round's messages were handed to Flower
         self._closing: Background | None = None  # the previous round's evaluation and line, if still running
@@ -181,7 +202,7 @@ class ScenarioStrategy(Strategy):
         model_record = pack_model(self.global_vec, self.layout)
         model_bytes = records_bytes({"arrays": model_record})  # the same model goes to everyone: size it once
         groups, shard_of = self._groups(sampled)
-        messages, down, down_per_client = [], 0, {}
+        sent, down, down_per_client = [], 0, {}
         for pid in self.longest_first(sampled, shard_of):
             cfg = {"server-round": server_round, "lr": self.rt.lr(server_round)}
             if self.lowrank.ranks:
@@ -199,13 +220,14 @@ class ScenarioStrategy(Strategy):
             size = model_bytes + records_bytes({"config": config_record})
             down += size
             down_per_client[pid] = size
-            messages.append(msg)
+            sent.append((msg, pid))
+        self._owner = ReplyOwners(sent, self.node_of)
         self.pending = RoundRecord(server_round, sampled, strikers, bytes_down=down, bytes_down_per_client=down_per_client)
         if groups:
             self.pending.groups = groups
         self._sent_at = time.perf_counter()
         self._timing[server_round] = {"encode": self._sent_at - self.t_round}
-        return messages
+        return [msg for msg, _ in sent]
 
     def longest_first(self, sampled: list[int], shard_of: dict[int, int]) -> list[int]:
         """The sampled clients, largest partition first (ties by id): the order the messages are created
@@ -241,17 +263,12 @@ class ScenarioStrategy(Strategy):
         shard_of = {p: g[0] for g in groups for p in g} if spec.redundancy else {}
         return groups, shard_of
 
-    def _pid_of_node(self, node_id: int) -> int:
-        if len(self._node_pid) != len(self.node_of):
-            self._node_pid = {node: pid for pid, node in self.node_of.items()}
-        return self._node_pid.get(node_id, -1)
-
     def _decode(self, replies: Iterable[Message]) -> tuple[list, dict, int, dict]:
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
         rows, rejected, up, losses = [], {}, 0, {}
         up_per_client = self.pending.bytes_up_per_client = {}
         for reply in replies:
-            pid = self._pid_of_node(reply.metadata.src_node_id)
+            pid = self._owner(reply)
             if reply.has_error():
                 rejected[pid] = f"client error: {reply.error.reason}"
                 continue
@@ -278,7 +295,7 @@ class ScenarioStrategy(Strategy):
         rows, rejected, up, losses = self._decode(replies)
         timing["decode"] = time.perf_counter() - t_start
         record = self.pending
-        answered = {self._pid_of_node(m.metadata.src_node_id) for m in replies}
+        answered = {self._owner(m) for m in replies}
         for pid in record.sampled:
             if pid not in answered:  # a node that died or timed out: the round goes on without it
                 rejected[pid] = f"no reply within federation.round_timeout={self.scenario.federation.round_timeout}s"
