@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fedsim.cli import main
 from fedsim.scenario import ScenarioError, apply_overrides, dump_scenario, load_scenario, validate_scenario
+
+ROOT_DIR = Path(__file__).resolve().parents[1]
 
 
 def problems(raw) -> dict[str, str]:
@@ -162,3 +166,15 @@ def test_a_directory_and_a_huge_name_are_refused_briefly(tmp_path, capsys):
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "name" in err and len(err) < 2000 and time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT_DIR)) for p in (ROOT_DIR / "scenarios").rglob("*.yaml")))
+def test_every_shipped_scenario_and_sweep_validates(path):
+    """The schema side of every ready file (the data side, preflight, needs the datasets)."""
+    from fedsim.runs.sweep import expand
+
+    if "sweeps" in Path(path).parts:
+        _, runs = expand(ROOT_DIR / path)
+        assert runs
+    else:
+        assert load_scenario(str(ROOT_DIR / path)).name
