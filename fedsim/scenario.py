@@ -129,6 +129,9 @@ class EvaluationSection(Section):
     test_subset: int | None = Field(
         None, ge=1, description="evaluate main accuracy on this many test images (a fixed seeded subset); default: all"
     )
+    implant_threshold: float = Field(
+        0.5, gt=0, le=1, description="backdoor success that counts as implanted / still alive (the lifecycle in summary.json)"
+    )
 
 
 class OutputSection(Section):

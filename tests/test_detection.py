@@ -85,6 +85,7 @@ def test_multikrum_audit_in_real_rounds(tmp_path):
         assert set(det["flagged"]) == set(line["sampled"]) - set(line["aggregator"]["selected"])
     assert summary["detection"]["rounds"] == len(lines)
     assert summary["detection"]["tp"] == sum(r["detection"]["tp"] for r in lines)
+    assert summary["backdoor_lifecycle"]["attacker_rounds"] == 3  # an attacker in every round (its own tests: test_lifecycle.py)
     from fedsim.runs.report import markdown_table
 
     header, _, row = markdown_table([run.path]).splitlines()[:3]

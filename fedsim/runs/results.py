@@ -10,6 +10,7 @@ import platform
 from pathlib import Path
 
 from fedsim.runs.folder import RunFolder
+from fedsim.runs.lifecycle import backdoor_lifecycle
 from fedsim.scenario import scenario_dict
 from fedsim.server.detection import run_detection
 
@@ -59,8 +60,8 @@ def _versions() -> dict:
 
 
 def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
-    def series(key):
-        return [(r["round"], r[key]) for r in rounds if r.get(key) is not None]
+    def series(key):  # training rounds only: round 0 is the initial (possibly pre-trained) model
+        return [(r["round"], r[key]) for r in rounds if r.get(key) is not None and r["round"] > 0]
 
     acc, bd = series("main_accuracy"), series("backdoor_success")
     return _clean(
@@ -77,6 +78,7 @@ def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
             "wall_seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
             "rounds_skipped": [r["round"] for r in rounds if r.get("skipped")],
             "detection": run_detection(rounds),
+            "backdoor_lifecycle": backdoor_lifecycle(rounds, scenario.evaluation.implant_threshold),
             "versions": _versions(),
             "scenario": scenario_dict(scenario),
             **extra,
