@@ -134,6 +134,17 @@ class EvaluationSection(Section):
     )
 
 
+class ServerSection(Section):
+    optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = Field(
+        "sgd", description="how the aggregate moves the global model: sgd (FedAvg, FedAvgM with momentum) or FedOpt's "
+        "adam / yogi / adagrad (Reddi et al. 2021, Flower's maths)")
+    lr: float = Field(1.0, gt=0, le=1000, description="server learning rate η (1 with sgd: FedAvg; a lower one is itself a defense)")
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd: server momentum β (FedAvgM)")
+    beta_1: float = Field(0.9, ge=0, lt=1, description="adam / yogi / adagrad: first-moment decay (Flower's default)")
+    beta_2: float = Field(0.99, ge=0, lt=1, description="adam / yogi: second-moment decay (Flower's default)")
+    tau: float = Field(1e-3, gt=0, le=1, description="adam / yogi / adagrad: adaptivity τ (Reddi et al.; Flower's default)")
+
+
 class OutputSection(Section):
     dir: str = Field("results", description="parent folder of the run folders")
     checkpoints: bool = Field(True, description="save server and client state every round, so `--resume` works")
@@ -201,6 +212,7 @@ def build_scenario_model() -> type[BaseModel]:
         lowrank: Annotated[
             Union[Pufferfish, Cuttlefish], Field(discriminator="name"), BeforeValidator(functools.partial(_name_shorthand, None))
         ] | None = None
+        server: ServerSection = Field(default_factory=ServerSection)
         evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
         output: OutputSection = Field(default_factory=OutputSection)
 

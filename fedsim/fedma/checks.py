@@ -32,6 +32,11 @@ def fedma_conflicts(sc) -> list[tuple[str, str, Any]]:
             what = f"attack.name={sc.attack.name}" + (f" (mode {mode})" if mode else "")
             out.append(("attack", f"{both} supports data-poisoning attackers only; {what} needs the [n, d] update protocol "
                         "(server-side crafting, PGD projection or update scaling)", sc.attack.name))
+    server = sc.server
+    if server.optimizer != "sgd" or server.lr != 1.0 or server.momentum != 0.0:
+        out.append(("server", f"{both} builds the new global model by matching, not by adding an update; server.optimizer="
+                    f"{server.optimizer} (lr {server.lr}, momentum {server.momentum}) has nothing to step: leave server at its "
+                    "defaults", server.optimizer))
     if sc.aggregator.local_init and (sc.init.checkpoint or sc.init.pretrain_epochs):
         out.append(("aggregator.local_init", "aggregator.local_init=true starts every client from its own initialisation, so "
                     "init.checkpoint / init.pretrain_epochs would be ignored: set aggregator.local_init=false to start from them",

@@ -36,6 +36,7 @@ from fedsim.engine.options import EngineOptions
 from fedsim.lowrank.switch import LowRankSwitch
 from fedsim.server.evaluation import CentralEvaluator
 from fedsim.server.detection import round_detection
+from fedsim.server.optimizer import ServerOptimizer
 from fedsim.server.pipeline import RoundPipeline, update_norms
 from fedsim.server.record import RoundRecord
 from fedsim.server.tools import ServerTools
@@ -107,6 +108,7 @@ class ScenarioStrategy(Strategy):
         self.scenario = runtime.scenario
         self.on_round = on_round or (lambda record: None)
         self.pipeline = RoundPipeline(self.scenario, runtime.attack)  # attack, defenses, rule: no Flower inside
+        self.server_opt = ServerOptimizer(self.scenario.server)  # how the aggregate moves the global model
         self.node_of: dict[int, int] = {}  # partition id -> node id
         self.lowrank = LowRankSwitch(runtime, self.scenario.lowrank)
         self.global_vec = self.lowrank.start(runtime.initial_weights())
@@ -184,12 +186,13 @@ class ScenarioStrategy(Strategy):
         self.offset = int(state["round"])
         self.lowrank.load_state_dict(state.get("extra", {}))
         self.pipeline.load_history(state.get("extra", {}).get("pipeline", {}))
+        self.server_opt.load_state_dict(state.get("extra", {}).get("server_optimizer", {}))
         self.global_vec = state["global"].clone()
         self.pipeline.load_state_dict(state["defenses"])
 
     def checkpoint(self, rnd: int) -> None:
         if self.checkpoint_to is not None:
-            extra = {**self.lowrank.state_dict(), "pipeline": self.pipeline.history()}
+            extra = {**self.lowrank.state_dict(), "pipeline": self.pipeline.history(), "server_optimizer": self.server_opt.state_dict()}
             save_server(self.checkpoint_to, rnd, self.global_vec, self.pipeline.state_dict(), extra)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -327,7 +330,7 @@ class ScenarioStrategy(Strategy):
             log.warning("round %s skipped: %s", server_round, outcome.skipped)
             return None, None
         record.aggregated = outcome.aggregated
-        self.global_vec = self.global_vec + outcome.aggregate
+        self.global_vec = self.server_opt.step(self.global_vec, outcome.aggregate, server_round)
         record.global_norm = float(torch.linalg.vector_norm(self.global_vec))
         self.global_vec, switch = self.lowrank.after_round(server_round, self.global_vec)
         if switch is not None:  # the model was factorized: last round's aggregate no longer fits it
