@@ -60,6 +60,9 @@ class FederationSection(Section):
     lr_decay: float = Field(1.0, gt=0, le=1, description="lr in round t is lr * lr_decay**(t-1)")
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    proximal_mu: float = Field(0.0, ge=0, le=1e6, description="FedProx's μ: honest clients add μ/2·‖w − w_global‖² to their loss (0: FedAvg)")
+    local_steps: int | None = Field(
+        None, ge=1, description="stop local training after this many SGD steps (1 with batch_size >= a partition: FedSGD)")
     client_cpus: float = Field(
         1.0, gt=0, description="CPUs per Ray client actor (1 on 2 cores gives 2 actors); a client trains with that many torch threads (at least 1)"
     )

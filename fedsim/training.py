@@ -50,6 +50,8 @@ class TrainConfig:
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
+    proximal_mu: float = 0.0  # FedProx: + μ/2·‖w − w_start‖² in the loss (Li et al. 2020); 0 = plain SGD
+    max_steps: int | None = None  # stop after this many optimizer steps (1 with a full batch: FedSGD)
 
 
 def train(
@@ -72,15 +74,22 @@ def train(
     model.train()
     steps, last_loss = 0, float("nan")
     n = len(xt)
+    anchor = [p.detach().clone() for p in model.parameters()] if cfg.proximal_mu > 0 else None
     for _ in range(cfg.epochs):
+        if cfg.max_steps is not None and steps >= cfg.max_steps:
+            break
         order = torch.randperm(n, generator=gen)
         total, count = 0.0, 0
         num_batches = (n + cfg.batch_size - 1) // cfg.batch_size
         for b in range(num_batches):
             idx = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+            if cfg.max_steps is not None and steps >= cfg.max_steps:
+                break
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(xt[idx]), yt[idx])
-            loss.backward()
+            objective = loss if anchor is None else loss + 0.5 * cfg.proximal_mu * sum(
+                ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+            objective.backward()
             opt.step()
             steps += 1
             if after_step is not None:

@@ -70,7 +70,9 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
     else:
         x, y = rt.client_data(data_pid)
         after_step = None
-    cfg = TrainConfig(epochs, fed.batch_size, lr, fed.momentum, fed.weight_decay)
+    # FedProx's proximal term is the server's prescription for honest clients; an attacker trains as it likes
+    mu = 0.0 if attack is not None else fed.proximal_mu
+    cfg = TrainConfig(epochs, fed.batch_size, lr, fed.momentum, fed.weight_decay, proximal_mu=mu, max_steps=fed.local_steps)
     seed = derive_seed(rt.scenario.seed, TRAIN, rnd, data_pid)
     stats = train(model, x, y, cfg, seed, after_step) if len(x) else {"loss": 0.0}
     delta = layout.flatten_model(model) - global_vec
