@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -45,3 +47,29 @@ def run_inner(spec, rows: torch.Tensor, weights: torch.Tensor, ctx) -> tuple[tor
     if with_info is None:
         return entry.obj(rows, weights, **kwargs), None
     return with_info(rows, weights, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def inner_spec_model(name: str):
+    """The YAML model of one nested rule, built once per name (pydantic model creation is slow)."""
+    from fedsim.registry import AGGREGATORS
+
+    return AGGREGATORS.get(name).spec_model()
+
+
+def parse_nested_rule(value: Any, default: str, allowed: list[str], why_not: Callable[[str], str]):
+    """A nested rule spec (DETOX's or a wrapper's `inner`) validated against the registry: `name`
+    plus that rule's parameters. A bare name is shorthand for `{name: ...}`, a mapping without
+    `name` means `default`; a name outside `allowed` is refused with `why_not(name)`."""
+    from pydantic import BaseModel
+
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"inner must be a rule name or a mapping with `name`, got {value!r}")
+    name = value.get("name", default)
+    if name not in allowed:
+        raise ValueError(f"{why_not(name)}; allowed: {', '.join(allowed)}")
+    return inner_spec_model(name).model_validate({**value, "name": name})

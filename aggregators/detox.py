@@ -39,17 +39,16 @@ Conventions chosen where the paper and the official code (`hwang595/DETOX`, `dra
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from pydantic import BaseModel, Field, SerializeAsAny, field_validator
 
-from fedsim.aggregators.base import AggregationError, check_inputs, run_inner, vector_rule_names
+from fedsim.aggregators.base import AggregationError, check_inputs, parse_nested_rule, run_inner, vector_rule_names
 from fedsim.registry import AGGREGATORS, Params
 
 DEFAULT_INNER = "multikrum"
@@ -152,34 +151,20 @@ def majority_vote(
 # ---------------------------------------------------------------- inner rule spec
 
 
-@functools.lru_cache(maxsize=None)
-def inner_spec_model(name: str) -> type[BaseModel]:
-    """The YAML model of one inner rule, built once per name (pydantic model creation is slow)."""
-    return AGGREGATORS.get(name).spec_model()
-
-
 def parse_inner(value: Any) -> BaseModel:
     """An inner rule spec validated against the registry: `name` plus that rule's parameters.
 
     A plain string is shorthand for `{name: ...}` and a mapping without `name` means Multi-Krum,
     as for the scenario's own component sections.
     """
-    if isinstance(value, BaseModel):
-        value = value.model_dump()
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"inner must be a rule name or a mapping with `name`, got {value!r}")
-    name = value.get("name", DEFAULT_INNER)
-    allowed = [n for n in vector_rule_names() if n != "detox" and not AGGREGATORS.get(n).capability("top_level_only", False)]
-    if name not in allowed:
-        why = {"detox": "detox cannot nest itself", "fedma": "fedma is not an [n, d] rule"}.get(
-            name, f"unknown inner aggregator {name!r}"
-        )
+    def why_not(name: str) -> str:
         if name in AGGREGATORS and AGGREGATORS.get(name).capability("top_level_only", False):
-            why = f"{name} runs only as the scenario's own aggregator, not nested"
-        raise ValueError(f"{why}; allowed: {', '.join(allowed)}")
-    return inner_spec_model(name).model_validate({**value, "name": name})
+            return f"{name} runs only as the scenario's own aggregator, not nested"
+        return {"detox": "detox cannot nest itself", "fedma": "fedma is not an [n, d] rule"}.get(
+            name, f"unknown inner aggregator {name!r}")
+
+    allowed = [n for n in vector_rule_names() if n != "detox" and not AGGREGATORS.get(n).capability("top_level_only", False)]
+    return parse_nested_rule(value, DEFAULT_INNER, allowed, why_not)
 
 
 

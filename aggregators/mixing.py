@@ -41,14 +41,12 @@ bucket means or mixed vectors; the other rows count as left out.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Annotated, Any
 
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, SerializeAsAny
 
-from fedsim.aggregators.base import AggregationError, check_inputs, inner_kwargs, run_inner, vector_rule_names
-from fedsim.aggregators.detox import inner_spec_model
+from fedsim.aggregators.base import AggregationError, check_inputs, inner_kwargs, parse_nested_rule, run_inner, vector_rule_names
 from fedsim.aggregators.distances import pairwise_sq_distances
 from fedsim.registry import AGGREGATORS, Params
 from fedsim.updates import RoundContext
@@ -72,20 +70,12 @@ def inner_rule_names() -> list[str]:
 def parse_inner_rule(value: Any) -> BaseModel:
     """An inner rule spec validated against the registry: `name` plus that rule's parameters; a
     bare name is shorthand for `{name: ...}`, and a mapping without `name` means Krum."""
-    if isinstance(value, BaseModel):
-        value = value.model_dump()
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"inner must be a rule name or a mapping with `name`, got {value!r}")
-    name = value.get("name", DEFAULT_INNER)
-    allowed = inner_rule_names()
-    if name not in allowed:
-        known = name in AGGREGATORS
-        why = f"{name} cannot be an inner rule (it needs client groups, holds its own data or is not an [n, d] rule)" \
-            if known else f"unknown inner aggregator {name!r}"
-        raise ValueError(f"{why}; allowed: {', '.join(allowed)}")
-    return inner_spec_model(name).model_validate({**value, "name": name})
+    def why_not(name: str) -> str:
+        if name in AGGREGATORS:
+            return f"{name} cannot be an inner rule (it needs client groups, holds its own data or is not an [n, d] rule)"
+        return f"unknown inner aggregator {name!r}"
+
+    return parse_nested_rule(value, DEFAULT_INNER, inner_rule_names(), why_not)
 
 
 def wrapper_info(spec: BaseModel, inner_info: dict | None, members: list[list[int]], inputs: int) -> dict[str, Any]:
