@@ -52,3 +52,24 @@ def test_conv_model_metrics_match_a_naive_evaluation(batch_size):
         assert got[key] == want[key], key
     assert got["main_loss"] == pytest.approx(want["main_loss"], rel=1e-4)
     assert model.conv1.weight.is_contiguous()  # the caller's model keeps its own layout
+
+
+def test_backdoor_success_beyond_what_the_clean_model_already_does():
+    """Inputs the clean reference model already sends to the target are left out of the second rate."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(30, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, 30).astype(np.int64)
+    x_bd = rng.normal(size=(50, 1, 28, 28)).astype(np.float32)
+    torch.manual_seed(1)
+    clean, attacked = LeNet((1, 28, 28), 10).eval(), LeNet((1, 28, 28), 10).eval()
+    with torch.no_grad():
+        clean_pred = clean(torch.from_numpy(x_bd)).argmax(1).numpy()
+        now = attacked(torch.from_numpy(x_bd)).argmax(1).numpy()
+    target = int(np.bincount(clean_pred).argmax())  # a target the clean model already hits for some inputs
+    t_bd = np.full(50, target, dtype=np.int64)
+    scenario = load_scenario("scenarios/quickstart.yaml", [])
+    got = CentralEvaluator(_Runtime(scenario, x, y, (x_bd, t_bd)), reference=clean)(attacked)
+    fresh = clean_pred != target
+    assert 0 < fresh.sum() < 50
+    assert got["backdoor_success"] == float((now == target).mean())
+    assert got["backdoor_success_beyond_clean"] == float((now[fresh] == target).mean())

@@ -68,8 +68,9 @@ def _short(value) -> str:
 
 def run_row(run: Path, label: str | None = None) -> dict:
     rounds = read_rounds(run)
-    acc = [r["main_accuracy"] for r in rounds if r.get("main_accuracy") is not None]
-    bd = [r["backdoor_success"] for r in rounds if r.get("backdoor_success") is not None]
+    trained = [r for r in rounds if r["round"] > 0]  # round 0 is the initial (possibly pre-trained) model
+    acc = [r["main_accuracy"] for r in trained if r.get("main_accuracy") is not None]
+    bd = [r["backdoor_success"] for r in trained if r.get("backdoor_success") is not None]
     return {
         "run": label if label is not None else run_label(run),
         "rounds": len(rounds),
@@ -78,11 +79,18 @@ def run_row(run: Path, label: str | None = None) -> dict:
         "final_backdoor": bd[-1] if bd else None,
         "peak_backdoor": max(bd) if bd else None,
         "mean_backdoor": sum(bd) / len(bd) if bd else None,
+        "final_beyond_clean": _last(rounds, "backdoor_success_beyond_clean"),
+        "final_source_acc": _last(rounds, "source_class_accuracy"),
         "mb_up": sum(r.get("bytes_up", 0) for r in rounds) / 1e6,
         "seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
         "pipeline_ms": _mean_ms([r["pipeline_seconds"] for r in rounds if r.get("pipeline_seconds") is not None]),
         **detection_columns(run_detection(rounds)),
     }
+
+
+def _last(rounds: list[dict], key: str):
+    values = [r[key] for r in rounds if r.get(key) is not None and r["round"] > 0]
+    return values[-1] if values else None
 
 
 def _mean_ms(seconds: list[float]) -> float | None:
@@ -111,15 +119,17 @@ def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> s
     lines = [
         "| run | " + "".join(f"{k} | " for k in keys)
         + "rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % "
+        "| final backdoor beyond clean % | final source-class acc % "
         "| TPR % | FPR % | F1 % | false alarms, no attacker % | defenses + rule ms/round | MB up | s |",
-        "|---|" + "---|" * len(keys) + "---:|" * 13,
+        "|---|" + "---|" * len(keys) + "---:|" * 15,
     ]
     for run in runs:
         r, swept = run_row(run, labels.get(run)), swept_values(run)
         lines.append(
             f"| {r['run']} | " + "".join(f"{_short(swept.get(k, '-'))} | " for k in keys)
             + f"{r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
-            f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {_pct(r['tpr'])} | {_pct(r['fpr'])} "
+            f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {_pct(r['final_beyond_clean'])} "
+            f"| {_pct(r['final_source_acc'])} | {_pct(r['tpr'])} | {_pct(r['fpr'])} "
             f"| {_pct(r['f1'])} | {_pct(r['false_alarms'])} | {_ms(r['pipeline_ms'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -19,7 +19,9 @@ CERTIFY = 0xCE7  # seed stream of a certifying defense's noise
 
 
 class CentralEvaluator:
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime, reference: torch.nn.Module | None = None) -> None:
+        """`reference`: the clean initial model; the backdoor inputs it already sends to the
+        attacker's label are left out of `backdoor_success_beyond_clean`."""
         scenario = runtime.scenario
         self.batch_size = scenario.evaluation.batch_size
         self.x, self.y = runtime.data.x_test, runtime.data.y_test
@@ -33,6 +35,10 @@ class CentralEvaluator:
             self.x, self.y = self.x[keep], self.y[keep]
         self.y = np.array(self.y)  # labels in memory (a cached test set may be memory-mapped, read-only)
         self.backdoor = runtime.attack.backdoor_test_set(runtime) if runtime.attack is not None else None
+        self.beyond_clean = None  # backdoor inputs the clean model does not already send to the target
+        if self.backdoor is not None and reference is not None:
+            x_bd, targets = self.backdoor
+            self.beyond_clean = predict(reference, x_bd, self.batch_size)[0] != targets
         self.source = getattr(getattr(scenario.attack, "edge_set", None), "source_class", None)
         self.scenario = scenario
         # defenses that certify the global model (CRFL): (name, spec, certify function)
@@ -64,7 +70,10 @@ class CentralEvaluator:
         out = {"main_accuracy": _share(pred == self.y), "main_loss": float(loss), "backdoor_success": None}
         if self.backdoor is not None:
             x_bd, targets = self.backdoor
-            out["backdoor_success"] = _share(predict(model, x_bd, self.batch_size, channels_last)[0] == targets)
+            hits = predict(model, x_bd, self.batch_size, channels_last)[0] == targets
+            out["backdoor_success"] = _share(hits)
+            if self.beyond_clean is not None:
+                out["backdoor_success_beyond_clean"] = _share(hits[self.beyond_clean])
         if self.source is not None:
             mask = self.y == self.source
             out["source_class_accuracy"] = _share(pred[mask] == self.y[mask])

@@ -62,6 +62,8 @@ class RoundRecord:
     main_accuracy: float | None | _Unset = UNSET  # accuracy on the (subsampled) test set, on evaluated rounds
     main_loss: float | None | _Unset = UNSET  # cross-entropy on that test set
     backdoor_success: float | None | _Unset = UNSET  # share of the attack's test set sent to its target; null without attack
+    backdoor_success_beyond_clean: float | _Unset = UNSET  # the same over the inputs the clean initial model did not
+    #   already send to the target (what the attack added; NaN when the clean model sends all of them there)
     source_class_accuracy: float | None | _Unset = UNSET  # edge-case attacks: clean accuracy on the source class
     certification: dict | _Unset = UNSET  # certifying defenses (CRFL) on their rounds: name -> certified accuracy, radii, ...
     wall_seconds: float | _Unset = UNSET  # seconds since the previous line (its own start for round 1): they add up

@@ -113,7 +113,7 @@ class ScenarioStrategy(Strategy):
         self.lowrank = LowRankSwitch(runtime, self.scenario.lowrank)
         self.global_vec = self.lowrank.start(runtime.initial_weights())
         self.tools = ServerTools(runtime, self.lowrank.model)  # the server's own data and training (FLTrust)
-        self.evaluator = CentralEvaluator(runtime)
+        self.evaluator = CentralEvaluator(runtime, reference=self.lowrank.model(self.global_vec))  # the clean initial model
         self.pending = RoundRecord(0)  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
         self._owner = ReplyOwners([], {})  # this round's messages: whose is each reply
