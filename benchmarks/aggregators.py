@@ -26,25 +26,13 @@ from fedsim.aggregators.base import vector_rule_names  # noqa: E402
 from fedsim.aggregators.krum import scores_from_distances  # noqa: E402
 from fedsim.models.layout import ModelLayout  # noqa: E402
 from fedsim.registry import AGGREGATORS, DEFENSES  # noqa: E402
+from fedsim.server.tools import GivenServerUpdate  # noqa: E402
 from fedsim.updates import RoundContext, UpdateBatch  # noqa: E402
 
 # Rules that take any batch of updates (DETOX needs redundant groups: benchmarks/detox.py).
 RULES = tuple(n for n in vector_rule_names() if not AGGREGATORS.get(n).capability("needs_groups", False))
 # Defenses that need nothing but the updates (DeepSight and CRFL's certification run models).
 DEFENSE_NAMES = ("norm_clipping", "weak_dp", "flame", "foolsgold", "rlr", "freqfed", "fldetector")
-
-
-class GivenServerUpdate:
-    """FLTrust's server tools with the server's own update given (its training is not timed)."""
-
-    def __init__(self, update: torch.Tensor) -> None:
-        self.update = update
-
-    def server_data(self, size, source):
-        return None, None
-
-    def train_update(self, global_weights, layout, x, y, rnd):
-        return self.update
 
 
 def context(updates: torch.Tensor, rnd: int = 1) -> RoundContext:

@@ -31,6 +31,7 @@ from fedsim.aggregators.krum import krum, krum_scores, multikrum, multikrum_sele
 from fedsim.aggregators.rfa import rfa
 from fedsim.models.layout import ModelLayout
 from fedsim.registry import AGGREGATORS
+from fedsim.server.tools import GivenServerUpdate
 from fedsim.updates import RoundContext
 
 # ---------------------------------------------------------------- inputs
@@ -306,25 +307,12 @@ def test_column_blocks_do_not_change_results(monkeypatch):
 # ---------------------------------------------------------------- properties
 
 
-class ServerUpdateOf:
-    """Stands in for the server's tools (fedsim/server/tools.py): its own update is a fixed vector."""
-
-    def __init__(self, update: torch.Tensor) -> None:
-        self.update = update
-
-    def server_data(self, size, source):
-        return None, None
-
-    def train_update(self, global_weights, layout, x, y, rnd):
-        return self.update
-
-
 def run_with_defaults(entry, updates, weights, **overrides):
     kwargs = entry.params(**overrides).model_dump()
     if entry.capability("with_context", False):  # a seeded round context; the server's own update: the mean
         d = updates.shape[1]
         kwargs["ctx"] = RoundContext(1, torch.zeros(d), ModelLayout(names=("w",), shapes=((d,),)),
-                                     torch.Generator().manual_seed(0), tools=ServerUpdateOf(updates.mean(dim=0)))
+                                     torch.Generator().manual_seed(0), tools=GivenServerUpdate(updates.mean(dim=0)))
     return entry.obj(updates, weights, **kwargs)
 
 

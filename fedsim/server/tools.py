@@ -63,3 +63,17 @@ class ServerTools:
         cfg = TrainConfig(fed.local_epochs, fed.batch_size, self.rt.lr(rnd), fed.momentum, fed.weight_decay)
         train(model, x, y, cfg, derive_seed(self.rt.scenario.seed, SERVER, ROOT_TRAIN, rnd))
         return layout.flatten_model(model) - global_weights
+
+
+class GivenServerUpdate:
+    """ServerTools' stand-in where the server's own update is known in advance (a benchmark timing
+    FLTrust without its training, a test calling a rule on bare tensors): no data, no training."""
+
+    def __init__(self, update: torch.Tensor) -> None:
+        self.update = update
+
+    def server_data(self, size: int, source: str) -> tuple[None, None]:
+        return None, None
+
+    def train_update(self, global_weights, layout, x, y, rnd: int) -> torch.Tensor:
+        return self.update
