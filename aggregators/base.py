@@ -29,18 +29,13 @@ def vector_rule_names() -> list[str]:
     return [n for n in AGGREGATORS.names() if AGGREGATORS.get(n).capability("protocol") is None]
 
 
-def inner_kwargs(spec) -> dict[str, Any]:
-    """A nested rule spec's parameters as keyword arguments (its `name` dropped)."""
-    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
-
-
 def run_inner(spec, rows: torch.Tensor, weights: torch.Tensor, ctx) -> tuple[torch.Tensor, dict | None]:
     """A nested rule's aggregate of `rows` and its report (by row of `rows`) if it gives one. A rule
     declared `with_context` gets `ctx`, as the server's pipeline would give it (wrappers and DETOX)."""
-    from fedsim.registry import AGGREGATORS
+    from fedsim.registry import AGGREGATORS, component_kwargs
 
     entry = AGGREGATORS.get(spec.name)
-    kwargs = inner_kwargs(spec)
+    kwargs = component_kwargs(spec)
     if entry.capability("with_context", False):
         kwargs["ctx"] = ctx
     with_info = entry.capability("with_info")

@@ -135,14 +135,6 @@ def dnc_with_info(
 
 
 @AGGREGATORS.register("dnc", DnCParams, with_context=True, with_info=dnc_with_info)
-def dnc(
-    updates: torch.Tensor,
-    weights: torch.Tensor,
-    num_malicious: int = 1,
-    filter_frac: float = 1.0,
-    niters: int = 1,
-    subsample_dim: int = PAPER_SUBSAMPLE_DIM,
-    ctx=None,
-) -> torch.Tensor:
+def dnc(updates: torch.Tensor, weights: torch.Tensor, **params) -> torch.Tensor:
     """Mean of the updates that survive DnC's SVD outlier filter on random coordinates (Shejwalkar & Houmansadr 2021)."""
-    return dnc_with_info(updates, weights, num_malicious, filter_frac, niters, subsample_dim, ctx)[0]
+    return dnc_with_info(updates, weights, **params)[0]

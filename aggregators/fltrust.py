@@ -69,7 +69,6 @@ def fltrust_with_info(updates: torch.Tensor, weights: torch.Tensor, root_size: i
 
 
 @AGGREGATORS.register("fltrust", FLTrustParams, with_context=True, with_info=fltrust_with_info, top_level_only=True)
-def fltrust_rule(updates: torch.Tensor, weights: torch.Tensor, root_size: int = 100, root_source: str = "train",
-                 ctx: RoundContext | None = None) -> torch.Tensor:
+def fltrust_rule(updates: torch.Tensor, weights: torch.Tensor, **params) -> torch.Tensor:
     """FLTrust: ReLU-cosine trust to the server's own update on a root dataset, magnitudes normalised (Cao et al. 2021)."""
-    return fltrust_with_info(updates, weights, root_size, root_source, ctx)[0]
+    return fltrust_with_info(updates, weights, **params)[0]

@@ -46,7 +46,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, SerializeAsAny
 
-from fedsim.aggregators.base import AggregationError, check_inputs, inner_kwargs, parse_nested_rule, run_inner, vector_rule_names
+from fedsim.aggregators.base import AggregationError, check_inputs, parse_nested_rule, run_inner, vector_rule_names
 from fedsim.aggregators.distances import pairwise_sq_distances
 from fedsim.registry import AGGREGATORS, Params
 from fedsim.updates import RoundContext

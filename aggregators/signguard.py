@@ -165,14 +165,6 @@ def signguard_with_info(
 
 
 @AGGREGATORS.register("signguard", SignGuardParams, with_context=True, with_info=signguard_with_info)
-def signguard(
-    updates: torch.Tensor,
-    weights: torch.Tensor,
-    lower: float = 0.1,
-    upper: float = 3.0,
-    coordinate_share: float = 0.1,
-    bandwidth_quantile: float = 0.5,
-    ctx=None,
-) -> torch.Tensor:
+def signguard(updates: torch.Tensor, weights: torch.Tensor, **params) -> torch.Tensor:
     """Mean of median-norm-clipped updates kept by a norm filter and sign-feature MeanShift (Xu et al. 2022)."""
-    return signguard_with_info(updates, weights, lower, upper, coordinate_share, bandwidth_quantile, ctx)[0]
+    return signguard_with_info(updates, weights, **params)[0]

@@ -153,18 +153,17 @@ def noisy_weights(model: torch.nn.Module, sigma: float, seed: int, start: int, s
     return out
 
 
-def _copies_logits(model: torch.nn.Module, weights: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor],
-                   x: torch.Tensor) -> torch.Tensor:
-    """Logits [k, B, C] of k weight copies on one input batch: one vmapped forward pass, or copy by
-    copy for a module vmap cannot trace."""
+def copies_forward(model: torch.nn.Module, fixed: dict[str, torch.Tensor]):
+    """Two functions (weights of k copies, input batch) -> logits [k, B, C]: one vmapped forward
+    pass, and copy by copy for a module torch.func.vmap cannot trace."""
     def forward(w, inputs):
         return torch.func.functional_call(model, {**w, **fixed}, (inputs,))
 
-    try:
-        return torch.func.vmap(forward, in_dims=(0, None))(weights, x)
-    except (RuntimeError, NotImplementedError, ValueError):
-        k = next(iter(weights.values())).shape[0]
-        return torch.stack([forward({n: w[i] for n, w in weights.items()}, x) for i in range(k)])
+    def one_by_one(ws, inputs):
+        k = next(iter(ws.values())).shape[0]
+        return torch.stack([forward({n: w[i] for n, w in ws.items()}, inputs) for i in range(k)])
+
+    return torch.func.vmap(forward, in_dims=(0, None)), one_by_one
 
 
 @torch.no_grad()
@@ -175,10 +174,18 @@ def vote_counts(model: torch.nn.Module, x: np.ndarray, num_models: int, sigma: f
     fixed = {n: t for n, t in model.state_dict().items() if not t.is_floating_point()}
     xt = torch.from_numpy(np.ascontiguousarray(x))
     counts: torch.Tensor | None = None
+    batched, one_by_one = copies_forward(model, fixed)
+    run = batched
     for start in range(0, num_models, model_batch):
         weights = noisy_weights(model, sigma, seed, start, min(start + model_batch, num_models))
         for i in range(0, len(xt), INPUT_BATCH):
-            logits = _copies_logits(model, weights, fixed, xt[i:i + INPUT_BATCH])  # [k, B, C]
+            try:
+                logits = run(weights, xt[i:i + INPUT_BATCH])  # [k, B, C]
+            except (RuntimeError, NotImplementedError):  # what vmap raises for an operation it cannot batch
+                if run is one_by_one:
+                    raise
+                run = one_by_one  # decided once: every later batch goes copy by copy
+                logits = run(weights, xt[i:i + INPUT_BATCH])
             if counts is None:
                 counts = torch.zeros(len(xt), logits.shape[-1], dtype=torch.int64)
             counts[i:i + INPUT_BATCH] += torch.nn.functional.one_hot(logits.argmax(-1), counts.shape[1]).sum(0)

@@ -14,6 +14,12 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, create_model
 
 
+def component_kwargs(spec) -> dict[str, Any]:
+    """A component spec's parameters as keyword arguments (its `name` dropped): how a rule, a
+    nested rule or a defense is called with what the YAML gave it."""
+    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
+
+
 class Params(BaseModel):
     """Base class of every component's parameter model: unknown keys and non-finite numbers are errors."""
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from update_samples import make_updates
 from fedsim.aggregators import AggregationError
 from fedsim.aggregators.centered_clipping import CenteredClippingParams, centered_clip, centered_clipping
 from fedsim.aggregators.detox import detox
@@ -37,13 +38,6 @@ HUGE_TAU = 1e30  # the schema refuses inf; this clips nothing
 # ---------------------------------------------------------------- inputs and references
 
 
-def make_updates(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random updates with uneven spreads (so Krum choices are not near-ties) and example counts."""
-    gen = torch.Generator().manual_seed(seed)
-    spread = 0.5 + 2.0 * torch.rand(n, 1, generator=gen)
-    updates = (torch.randn(n, d, generator=gen) * spread + 0.3).float()
-    weights = torch.randint(5, 200, (n,), generator=gen).float()
-    return updates, weights
 
 
 def context(d: int, seed: int = 0, previous: torch.Tensor | None = None, rnd: int = 1) -> RoundContext:

@@ -20,6 +20,7 @@ import torch
 from pydantic import ValidationError
 from sklearn.cluster import MeanShift, estimate_bandwidth
 
+from update_samples import make_updates
 from fedsim.aggregators import AggregationError
 from fedsim.aggregators.dnc import DnCParams, dnc, dnc_select, dnc_with_info, sample_coordinates
 from fedsim.aggregators.signguard import (
@@ -36,13 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------- inputs
 
 
-def make_updates(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random updates with uneven spreads (so scores are not near-ties) and example counts."""
-    gen = torch.Generator().manual_seed(seed)
-    spread = 0.5 + 2.0 * torch.rand(n, 1, generator=gen)
-    updates = (torch.randn(n, d, generator=gen) * spread + 0.3).float()
-    weights = torch.randint(5, 200, (n,), generator=gen).float()
-    return updates, weights
 
 
 def mostly_positive(n: int, d: int, seed: int) -> torch.Tensor:

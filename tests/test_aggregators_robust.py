@@ -21,6 +21,7 @@ from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy.multikrum import select_multikrum
 from pydantic import ValidationError
 
+from update_samples import make_updates
 from fedsim.aggregators.base import vector_rule_names
 import fedsim.aggregators.columns as columns
 from fedsim.aggregators import AggregationError
@@ -37,13 +38,6 @@ from fedsim.updates import RoundContext
 # ---------------------------------------------------------------- inputs
 
 
-def make_updates(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random updates with uneven spreads (so Krum choices are not near-ties) and example counts."""
-    gen = torch.Generator().manual_seed(seed)
-    spread = 0.5 + 2.0 * torch.rand(n, 1, generator=gen)
-    updates = (torch.randn(n, d, generator=gen) * spread + 0.3).float()
-    weights = torch.randint(5, 200, (n,), generator=gen).float()
-    return updates, weights
 
 
 def as_layers(row: np.ndarray) -> list[np.ndarray]:

@@ -29,7 +29,7 @@ from fedsim.aggregators.detox import (
 )
 from fedsim.aggregators.krum import multikrum
 from fedsim.registry import AGGREGATORS
-from fedsim.server.pipeline import component_kwargs
+from fedsim.registry import component_kwargs
 
 D = 12
 MALICIOUS = torch.full((D,), -100.0)

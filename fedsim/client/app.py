@@ -83,7 +83,8 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
 
 def state_folder(context: Context, default: str | None) -> str | None:
     """Where this node keeps its memory between runs: its node config's `state-dir`, else `default`."""
-    return str(context.node_config.get("state-dir") or "") or default
+    own = context.node_config.get("state-dir")
+    return str(own) if own else default
 
 
 def make_client_app(scenario=None, state_dir: str | Path | None = None) -> ClientApp:

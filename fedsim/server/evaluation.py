@@ -42,8 +42,8 @@ class CentralEvaluator:
         self.source = getattr(getattr(scenario.attack, "edge_set", None), "source_class", None)
         self.scenario = scenario
         # defenses that certify the global model (CRFL): (name, spec, certify function)
-        self.certifiers = [(d.name, d, DEFENSES.get(d.name).capability("certify")) for d in scenario.defenses
-                           if DEFENSES.get(d.name).capability("certify") is not None]
+        certify = [(d.name, d, DEFENSES.get(d.name).capability("certify")) for d in scenario.defenses]
+        self.certifiers = [c for c in certify if c[2] is not None]
 
     def certify(self, model: torch.nn.Module, rnd: int) -> dict | None:
         """What the certifying defenses say of `model` in round `rnd` (they choose their rounds:

@@ -17,15 +17,10 @@ import numpy as np
 import torch
 
 from fedsim.aggregators.base import AggregationError
-from fedsim.registry import AGGREGATORS, DEFENSES
+from fedsim.registry import AGGREGATORS, DEFENSES, component_kwargs
 from fedsim.updates import RoundContext, UpdateBatch
 
 log = logging.getLogger("fedsim")
-
-
-def component_kwargs(spec) -> dict:
-    """A component spec's parameters as keyword arguments (its `name` dropped)."""
-    return {k: getattr(spec, k) for k in type(spec).model_fields if k != "name"}
 
 
 def rows_to_clients(info: dict, client_ids: tuple[int, ...]) -> dict:
