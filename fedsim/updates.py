@@ -38,5 +38,5 @@ class RoundContext:
     global_weights: torch.Tensor  # [d] flat global model the updates are relative to
     layout: ModelLayout
     generator: torch.Generator  # seeded from (scenario seed, round): use it for all randomness
-    previous_aggregate: torch.Tensor | None = None  # [d] the update applied last round (None in the first)
+    previous_aggregate: torch.Tensor | None = None  # [d] last round's aggregate after the defenses, before a server optimizer (None at first)
     tools: Any = None  # fedsim/server/tools.py ServerTools: the server's own data and training (None on bare tensors)

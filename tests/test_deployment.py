@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.deploy import commands as deploy
 from fedsim.runs.results import read_rounds
 
@@ -121,7 +121,7 @@ def in_process_rounds(tmp: Path, overrides: list[str]) -> list[dict]:
 
 
 def strip(rounds: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rounds]
+    return without_times(rounds)
 
 
 def test_scenario_runs_on_superlink_with_three_supernodes(cluster):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.deploy import commands as deploy
 from fedsim.runs.results import read_rounds
 from test_deployment import REPO, cluster, wait_summary  # noqa: F401  (cluster: the shared fixture)
@@ -45,5 +45,4 @@ def test_fedma_runs_on_superlink_like_in_process(cluster):
     scenario = load_scenario(SCENARIO, OVERRIDES)
     local_dir = RunFolder.create(scenario, cluster.tmp / "local").path
     run_server(LocalGrid(make_client_app(scenario), 3), scenario, local_dir)
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rs]  # noqa: E731
-    assert strip(read_rounds(local_dir)) == strip(rounds)
+    assert without_times(read_rounds(local_dir)) == without_times(rounds)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.client.app import make_client_app
 from fedsim.server.evaluation import CentralEvaluator
 from fedsim.runs.folder import RunFolder
@@ -38,7 +38,7 @@ def run(tmp_path, progress=None, checkpoints=False, overrides=(), overlap=True):
 
 
 def metrics(rounds):
-    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rounds]
+    return without_times(rounds)
 
 
 @pytest.mark.parametrize("extra", [[], ["evaluation.every=3", "evaluation.initial=true"]])

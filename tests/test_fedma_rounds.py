@@ -14,7 +14,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.client.app import make_client_app
 from fedsim.fedma.arch import ChainArch, state_of
 from fedsim.registry import MODELS
@@ -152,8 +152,7 @@ def test_rounds_record_widths_bytes_and_are_reproducible(tmp_path):
     scenario = load_scenario(SCENARIO, SMALL)
     first = run(scenario, tmp_path / "a")
     second = run(scenario, tmp_path / "b")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rows]  # noqa: E731
-    assert strip(first) == strip(second)
+    assert without_times(first) == without_times(second)
     for r in first:
         assert r["exchanges"] == 2  # one hidden layer: local training + one retraining exchange
         assert r["rejected"] == {} and r["aggregated"] == [0, 1, 2, 3]
@@ -225,8 +224,7 @@ def test_resumed_fedma_run_matches_uninterrupted(tmp_path):
     with pytest.raises(Killed):
         go(cut, kill_after=1)
     go(cut)
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rows]  # noqa: E731
-    assert strip(read_rounds(cut)) == strip(read_rounds(full))
+    assert without_times(read_rounds(cut)) == without_times(read_rounds(full))
 
 
 def test_data_poisoning_attacker_takes_part(tmp_path):
@@ -265,6 +263,5 @@ def test_on_ray_equals_in_process(tmp_path):
     scenario = load_scenario(SCENARIO, SMALL + ["model.hidden=[16, 12]", "federation.round_timeout=600"])
     ray_rounds = read_rounds(simulate(scenario, run_dir=tmp_path / "ray"))
     local_rounds = run(scenario, tmp_path / "local")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rows]  # noqa: E731
-    assert strip(ray_rounds) == strip(local_rounds)
+    assert without_times(ray_rounds) == without_times(local_rounds)
     assert all(r["exchanges"] == 3 and len(r["aggregated"]) == 4 for r in ray_rounds)

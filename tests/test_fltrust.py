@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.aggregators.base import AggregationError
 from fedsim.aggregators.fltrust import fltrust
 from fedsim.client.app import make_client_app
@@ -94,8 +94,7 @@ def test_real_rounds_record_trust_and_the_audit(tmp_path):
         assert share == pytest.approx(sum(w for c, w in weights.items() if int(c) in r["attackers"]))
     again = RunFolder.create(sc, tmp_path / "again")
     run_server(LocalGrid(make_client_app(sc), 8), sc, again)
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rs]  # noqa: E731
-    assert strip(read_rounds(run)) == strip(read_rounds(again))  # the server's training is seeded
+    assert without_times(read_rounds(run)) == without_times(read_rounds(again))  # the server's training is seeded
 
 
 def test_the_servers_own_update_lowers_its_root_loss():

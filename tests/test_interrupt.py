@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from flwr.app import Message
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.engine.interrupt import RunInterrupted, RunStopped, StoppableGrid, on_signals
 from fedsim.runs.results import read_rounds
 
@@ -27,7 +27,7 @@ SMALL = ["--set", "federation.rounds=6", "--set", "federation.num_clients=8", "-
 
 
 def metrics(rounds: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rounds]
+    return without_times(rounds)
 
 
 # --- the parts, in-process ---------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.client.app import make_client_app
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
@@ -24,7 +24,7 @@ class Killed(Exception):
 
 
 def metrics(rounds):
-    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rounds]
+    return without_times(rounds)
 
 
 def run(scenario, run_dir, kill_after=None):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.client.app import make_client_app
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
@@ -29,7 +29,7 @@ def run(tmp_path, overrides=(), tamper=None):
 
 
 def metrics(rounds):
-    return [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rounds]
+    return without_times(rounds)
 
 
 def test_rounds_written_with_every_key(tmp_path):

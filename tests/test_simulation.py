@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.engine.simulate import simulate
@@ -33,7 +33,7 @@ def test_two_runs_same_seed_identical_metrics(tmp_path):
     runs = []
     for name in ("a", "b"):
         run_dir = simulate(load_scenario("scenarios/quickstart.yaml", overrides), run_dir=tmp_path / name)
-        runs.append([{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in read_rounds(run_dir)])
+        runs.append(without_times(read_rounds(run_dir)))
     assert runs[0] == runs[1]
 
 

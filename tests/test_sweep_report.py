@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fedsim.server.record import TIME_FIELDS
+from fedsim.server.record import without_times
 from fedsim.client.app import make_client_app
 from fedsim.runs.report import find_runs, markdown_table, write_report
 from fedsim.runs.folder import RunFolder
@@ -84,8 +84,7 @@ def test_killed_sweep_resumes_without_redoing_finished_runs(sweep_file, tmp_path
     # the resumed run equals an uninterrupted run of the same scenario
     fresh = tmp_path / "fresh" / third
     local_runner()(runs[2].scenario, fresh)
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIME_FIELDS} for r in rows]  # noqa: E731
-    assert strip(read_rounds(folder / third)) == strip(read_rounds(fresh))
+    assert without_times(read_rounds(folder / third)) == without_times(read_rounds(fresh))
 
 
 def test_report_table_and_plots_from_files(sweep_file, tmp_path):

@@ -18,7 +18,7 @@ To record from an older commit's code (as the first goldens were, from 8f604e1):
 
 Each golden file holds the rounds.jsonl lines of one small in-process run (LocalGrid, no Ray) of
 scenarios/quickstart.yaml or scenarios/fedma/digits_mlp.yaml with the overrides in SCENARIOS,
-without the timing keys (TIME_KEYS); everything else in a line is kept.
+without the wall-clock fields (fedsim.server.record.TIME_FIELDS); everything else in a line is kept.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ REPO = HERE.parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))  # local_grid
 
-TIME_KEYS = {"wall_seconds", "match_seconds", "pipeline_seconds"}  # wall-clock times: differ from run to run
 
 QUICKSTART = "scenarios/quickstart.yaml"
 FEDMA = "scenarios/fedma/digits_mlp.yaml"
@@ -76,7 +75,9 @@ class Killed(Exception):
 
 
 def strip(rounds: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in rounds]
+    from fedsim.server.record import without_times
+
+    return without_times(rounds)
 
 
 def run_scenario(name: str, parent: Path) -> list[dict]:
