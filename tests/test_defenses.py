@@ -322,3 +322,4 @@ def test_every_defense_runs_from_defaults(name):
     json.dumps(log)
     json.dumps(log2)
     defense.load_state_dict(defense.state_dict())
+    assert all(f.description for f in entry.params.model_fields.values())

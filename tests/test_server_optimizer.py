@@ -40,33 +40,24 @@ def flower_step(strategy, x: np.ndarray, target: np.ndarray, rnd: int) -> np.nda
     return arrays["w"].numpy()
 
 
-@pytest.mark.parametrize("name,flower,kw", [
-    ("adam", flwr_strategy.FedAdam, {"eta": 0.05, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}),
-    ("yogi", flwr_strategy.FedYogi, {"eta": 0.05, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}),
-    ("adagrad", flwr_strategy.FedAdagrad, {"eta": 0.05, "beta_1": 0.0, "tau": 1e-3}),  # Flower fixes β1 = 0
-])
-def test_fedopt_matches_flower_over_several_rounds(name, flower, kw):
-    ours = ServerOptimizer(spec(optimizer=name, lr=kw["eta"], beta_1=kw["beta_1"], tau=kw["tau"],
-                                **({"beta_2": kw["beta_2"]} if "beta_2" in kw else {})))
-    theirs = flower(**({k: v for k, v in kw.items() if k != "beta_1"} if name == "adagrad" else kw))
+@pytest.mark.parametrize("ours,theirs", [
+    ({"optimizer": "adam", "lr": 0.05, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3},
+     lambda: flwr_strategy.FedAdam(eta=0.05, beta_1=0.9, beta_2=0.99, tau=1e-3)),
+    ({"optimizer": "yogi", "lr": 0.05, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3},
+     lambda: flwr_strategy.FedYogi(eta=0.05, beta_1=0.9, beta_2=0.99, tau=1e-3)),
+    ({"optimizer": "adagrad", "lr": 0.05, "beta_1": 0.0, "tau": 1e-3},  # Flower's FedAdagrad fixes β1 = 0
+     lambda: flwr_strategy.FedAdagrad(eta=0.05, tau=1e-3)),
+    ({"optimizer": "sgd", "lr": 0.7, "momentum": 0.9},
+     lambda: flwr_strategy.FedAvgM(server_learning_rate=0.7, server_momentum=0.9)),
+], ids=["adam", "yogi", "adagrad", "sgd-momentum"])
+def test_the_server_optimizers_match_flower_over_several_rounds(ours, theirs):
+    mine, flowers = ServerOptimizer(spec(**ours)), theirs()
     rng = np.random.default_rng(0)
     x_ours = x_theirs = rng.normal(size=20).astype(np.float32)
     for rnd in range(1, 6):
         delta = rng.normal(scale=0.1, size=20).astype(np.float32)
-        x_theirs = flower_step(theirs, x_theirs, x_theirs + delta, rnd)
-        x_ours = ours.step(torch.from_numpy(x_ours), torch.from_numpy(delta), rnd).numpy()
-        np.testing.assert_allclose(x_ours, x_theirs, rtol=1e-5, atol=1e-6)
-
-
-def test_sgd_with_momentum_matches_flowers_fedavgm():
-    ours = ServerOptimizer(spec(optimizer="sgd", lr=0.7, momentum=0.9))
-    theirs = flwr_strategy.FedAvgM(server_learning_rate=0.7, server_momentum=0.9)
-    rng = np.random.default_rng(1)
-    x_ours = x_theirs = rng.normal(size=12).astype(np.float32)
-    for rnd in range(1, 5):
-        delta = rng.normal(scale=0.1, size=12).astype(np.float32)
-        x_theirs = flower_step(theirs, x_theirs, x_theirs + delta, rnd)
-        x_ours = ours.step(torch.from_numpy(x_ours), torch.from_numpy(delta), rnd).numpy()
+        x_theirs = flower_step(flowers, x_theirs, x_theirs + delta, rnd)
+        x_ours = mine.step(torch.from_numpy(x_ours), torch.from_numpy(delta), rnd).numpy()
         np.testing.assert_allclose(x_ours, x_theirs, rtol=1e-5, atol=1e-6)
 
 
