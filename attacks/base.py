@@ -13,6 +13,7 @@ they take part.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -87,16 +88,49 @@ class AttackParams(Params):
         return sorted(rng.choice(num_clients, size=self.num_attackers, replace=False).tolist())
 
 
+@dataclass
+class AttackerRound:
+    """One attacker's local training in one round, as the ClientApp hands it to the attack.
+
+    `model` holds the global model on arrival and the attacker's trained model on return; `train`
+    is the honest clients' training settings for this round (the attack's own `local_epochs` / `lr`
+    already applied, no FedProx term); `config` is the round's config from the server.
+    """
+
+    runtime: object
+    partition_id: int
+    round: int
+    model: torch.nn.Module
+    global_vec: torch.Tensor
+    layout: object
+    train: object  # fedsim.training.TrainConfig
+    seed: int
+    config: dict = field(default_factory=dict)
+
+
 class ClientAttack(Attack):
     """Base of the attacks that run on a malicious client, as a real compromised device would.
 
-    The ClientApp asks the attack for the attacker's training set, lets it hook into local training
-    (`after_step`, e.g. PGD projection) and transform the finished update (`finish_update`, e.g.
-    model-replacement scaling) before the update is encoded for upload. The server asks it for the
-    backdoor test set (`backdoor_test_set`) to measure the backdoor success rate.
+    The ClientApp hands the attack its round (`local_train`); by default the attacker trains on
+    `training_set` with a hook after each step (`after_step`, e.g. PGD projection), and an attack
+    that needs the global model first (a trigger optimised against it) or its own objective
+    overrides `local_train`. `finish_update` then transforms the finished update (e.g.
+    model-replacement scaling) before it is encoded for upload. The server asks for the backdoor
+    test set (`backdoor_test_set`) to measure the backdoor success rate.
     """
 
     side = "client"
+
+    def local_train(self, job: AttackerRound) -> tuple[int, dict, dict]:
+        """Train `job.model` as this attacker; returns (examples trained on, training stats, info for
+        `finish_update`: the round's config plus `num_examples`)."""
+        from fedsim.training import train
+
+        x, y = self.training_set(job.runtime, job.partition_id)
+        info = {"num_examples": len(x), **job.config}
+        after = lambda b, last: self.after_step(job.model, job.global_vec, job.layout, b, last, info)  # noqa: E731
+        stats = train(job.model, x, y, job.train, job.seed, after) if len(x) else {"loss": 0.0}
+        return len(x), stats, info
 
     @abstractmethod
     def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,4 +149,13 @@ class ClientAttack(Attack):
         """True when the attack only changes the training data (no training hook, no update
         transform): such an attacker can follow any protocol, FedMA's layer-wise one included."""
         cls = type(self)
-        return cls.after_step is ClientAttack.after_step and cls.finish_update is ClientAttack.finish_update
+        return (cls.after_step is ClientAttack.after_step and cls.finish_update is ClientAttack.finish_update
+                and cls.local_train is ClientAttack.local_train)
+
+
+def attacker_train_config(params, honest, round_lr_decay: float):
+    """The honest TrainConfig with an attack's own `local_epochs` / `lr` (decayed like the honest lr)
+    and no FedProx term: the proximal term is the server's prescription, an attacker ignores it."""
+    epochs = getattr(params, "local_epochs", None) or honest.epochs
+    lr = getattr(params, "lr", None)
+    return replace(honest, epochs=epochs, lr=lr * round_lr_decay if lr else honest.lr, proximal_mu=0.0)

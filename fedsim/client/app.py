@@ -18,6 +18,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedsim.attacks.base import AttackerRound, attacker_train_config
 from fedsim.runs.checkpoint import load_client, save_client
 from fedsim.registry import AGGREGATORS
 from fedsim.runtime import runtime_for
@@ -59,26 +60,17 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
     attack = rt.attack if (pid in rt.attackers and rt.attack is not None and rt.attack.side == "client") else None
     model = rt.build_model(ranks)
     layout.load_into(model, global_vec)
-    epochs, lr = fed.local_epochs, rt.lr(rnd)
-    if attack is not None:
-        x, y = attack.training_set(rt, pid)
-        info = {"num_examples": len(x), **dict(config)}
-        epochs = getattr(attack.params, "local_epochs", None) or epochs
-        attack_lr = getattr(attack.params, "lr", None)
-        lr = attack_lr * fed.lr_decay ** (rnd - 1) if attack_lr else lr
-        after_step = lambda b, last: attack.after_step(model, global_vec, layout, b, last, info)  # noqa: E731
-    else:
-        x, y = rt.client_data(data_pid)
-        after_step = None
-    # FedProx's proximal term is the server's prescription for honest clients; an attacker trains as it likes
-    mu = 0.0 if attack is not None else fed.proximal_mu
-    cfg = TrainConfig(epochs, fed.batch_size, lr, fed.momentum, fed.weight_decay, proximal_mu=mu, max_steps=fed.local_steps)
+    cfg = TrainConfig(fed.local_epochs, fed.batch_size, rt.lr(rnd), fed.momentum, fed.weight_decay,
+                      proximal_mu=fed.proximal_mu, max_steps=fed.local_steps)
     seed = derive_seed(rt.scenario.seed, TRAIN, rnd, data_pid)
-    stats = train(model, x, y, cfg, seed, after_step) if len(x) else {"loss": 0.0}
-    delta = layout.flatten_model(model) - global_vec
     if attack is not None:
-        delta = attack.finish_update(delta, info)
-    return delta, len(x), stats
+        job = AttackerRound(rt, pid, rnd, model, global_vec, layout,
+                            attacker_train_config(attack.params, cfg, fed.lr_decay ** (rnd - 1)), seed, dict(config))
+        n, stats, info = attack.local_train(job)
+        return attack.finish_update(layout.flatten_model(model) - global_vec, info), n, stats
+    x, y = rt.client_data(data_pid)
+    stats = train(model, x, y, cfg, seed) if len(x) else {"loss": 0.0}
+    return layout.flatten_model(model) - global_vec, len(x), stats
 
 
 def state_folder(context: Context, default: str | None) -> str | None:
