@@ -32,9 +32,10 @@ class Attack(ABC):
     def __init__(self, params) -> None:
         self.params = params
 
-    def backdoor_test_set(self, runtime) -> tuple[np.ndarray, np.ndarray] | None:
+    def backdoor_test_set(self, runtime, shared: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """(inputs, attacker's labels) on which success is measured: the share of inputs the global
-        model assigns the attacker's label (backdoor success rate), or None when not applicable."""
+        model assigns the attacker's label (backdoor success rate), or None when not applicable.
+        `shared`: the latest `shared_state` an attacker reported (None before any attack round)."""
         return None
 
     def honest_extra_data(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -94,7 +95,10 @@ class AttackerRound:
 
     `model` holds the global model on arrival and the attacker's trained model on return; `train`
     is the honest clients' training settings for this round (the attack's own `local_epochs` / `lr`
-    already applied, no FedProx term); `config` is the round's config from the server.
+    already applied, no FedProx term); `config` is the round's config from the server. `memory`
+    is what this attacker kept from its previous attack round (e.g. a trigger it keeps optimising):
+    the attack updates it in place and the ClientApp keeps it in the client's own state (and state
+    folder), as a device would keep it on its disk.
     """
 
     runtime: object
@@ -106,6 +110,7 @@ class AttackerRound:
     train: object  # fedsim.training.TrainConfig
     seed: int
     config: dict = field(default_factory=dict)
+    memory: dict[str, np.ndarray] = field(default_factory=dict)  # this attacker's own arrays from its last attack round
 
 
 class ClientAttack(Attack):
@@ -135,6 +140,13 @@ class ClientAttack(Attack):
     @abstractmethod
     def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
         """The (x, y) this attacker trains on."""
+
+    def shared_state(self, job: AttackerRound) -> dict[str, np.ndarray] | None:
+        """What the attacker reports beside its update after training so the simulated server can
+        measure the backdoor it planted this round (a trigger optimised this round: A3FL, IBA), or
+        None when the backdoor test set is fixed. The server passes the latest report to
+        `backdoor_test_set(runtime, shared)`; it is a measurement channel, not counted in bytes_up."""
+        return None
 
     def after_step(
         self, model: torch.nn.Module, global_vec: torch.Tensor, layout, batch: int, last: bool, info: dict
