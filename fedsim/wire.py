@@ -18,6 +18,7 @@ from fedsim.models.layout import ModelLayout
 MAX_PAYLOAD_FACTOR = 4  # a payload may be at most this many times the float32 model (plus 1 MiB)
 MAX_EXAMPLES = 2**31 - 1  # an example count above this is not a client's dataset; float32 weights stay exact-ish and finite
 F32_MAX = float(np.finfo(np.float32).max)
+BACKDOOR_RECORD = "backdoor"  # an attacker's report for the backdoor measurement (simulation's measurement channel)
 MAX_NORM = F32_MAX**0.5  # an update's L2 norm must stay below this: its float32 sum of squares is then finite
 
 
@@ -142,11 +143,26 @@ def message_bytes(msg: Message) -> int:
     outside int64 arrives as is) could not have crossed a real wire: PayloadError, naming the
     record and key the serializer refused. The strategies then count 0 bytes for that reply (the
     client is absent from `bytes_up_per_client`, like a client whose reply is an error).
+    An attacker's report for the backdoor measurement (`BACKDOOR_RECORD`) is not part of the
+    protocol and is left out.
     """
     try:
-        return recorddict_size(msg.content)
+        return recorddict_size(RecordDict({k: v for k, v in msg.content.items() if k != BACKDOOR_RECORD}))
     except Exception as err:  # whatever the content holds, sizing it never takes the round down
         raise PayloadError(f"reply does not serialize: {unserializable_entry(msg.content)}{error_text(err)}") from None
+
+
+def shared_backdoor_state(content, layout: ModelLayout) -> dict[str, np.ndarray] | None:
+    """An attacker's report for the backdoor measurement (a trigger it optimised), or None when the
+    reply carries none; bounded like an upload (PayloadError when oversized or malformed)."""
+    if BACKDOOR_RECORD not in content.array_records:
+        return None
+    try:
+        return unpack_payload(content[BACKDOOR_RECORD], layout)
+    except PayloadError:
+        raise
+    except Exception as err:
+        raise PayloadError(f"malformed backdoor report: {error_text(err)}") from None
 
 
 def unserializable_entry(content, limit: int = 1000) -> str:

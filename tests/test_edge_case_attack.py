@@ -22,7 +22,7 @@ CONFIG = {"server-round": 1, "lr": 0.1, "round_total_examples": 830}
 
 
 def attacker_update(rt: Runtime) -> tuple[torch.Tensor, int]:
-    delta, n, _ = local_update(rt, 3, rt.initial_weights(), 1, CONFIG)
+    delta, n, _, _ = local_update(rt, 3, rt.initial_weights(), 1, CONFIG)
     return delta, n
 
 

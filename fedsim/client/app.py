@@ -2,16 +2,18 @@
 
 A client's partition comes from `context.node_config["partition-id"]` (set by the simulation
 engine, or by `--node-config` on a real SuperNode); whether it is an attacker follows from the
-scenario's attacker ids. Codec memory (error feedback) lives in `context.state`, so it persists
-across rounds in simulation and deployment alike; with a state folder (`state_dir`, or a
-SuperNode's `--node-config 'state-dir="..."'`) it is also saved there each round, on the client's
-own disk, so a resumed run or a restarted device continues with it (fedsim/runs/checkpoint.py).
+scenario's attacker ids. Codec memory (error feedback) and an attacker's own memory (a trigger it
+keeps optimising) live in `context.state`, so they persist across rounds in simulation and
+deployment alike; with a state folder (`state_dir`, or a SuperNode's `--node-config
+'state-dir="..."'`) they are also saved there each round, on the client's own disk, so a resumed
+run or a restarted device continues with them (fedsim/runs/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,9 +26,10 @@ from fedsim.registry import AGGREGATORS
 from fedsim.runtime import runtime_for
 from fedsim.seeding import TRAIN, derive_seed
 from fedsim.training import TrainConfig, train
-from fedsim.wire import pack_payload, unpack_model
+from fedsim.wire import BACKDOOR_RECORD, pack_payload, unpack_model
 
-CODEC_STATE = "codec-state"
+CLIENT_STATE = "client-state"  # codec memory (error feedback) and an attacker's own arrays
+ATTACK_MEMORY = "attack."  # prefix of an attacker's own arrays in the client's saved state
 
 
 def scenario_for_node(scenario, context: Context):
@@ -47,11 +50,19 @@ def partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
-def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tuple[torch.Tensor, int, dict]:
+class LocalResult(NamedTuple):
+    delta: torch.Tensor
+    num_examples: int
+    stats: dict
+    shared: dict[str, np.ndarray] | None = None  # what an attacker reports for the backdoor measurement
+
+
+def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memory: dict | None = None) -> LocalResult:
     """Train from the global model on this client's data (or the attacker's) and return the update.
 
     Under redundant aggregation (DETOX) the server names a `data-partition`: every member of a
     group then trains on that shard with that shard's seed, so honest members agree bit for bit.
+    `memory`: an attacker's arrays from its previous attack round, updated in place.
     """
     fed = rt.scenario.federation
     data_pid = int(config.get("data-partition", pid))
@@ -65,12 +76,14 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config) -> tu
     seed = derive_seed(rt.scenario.seed, TRAIN, rnd, data_pid)
     if attack is not None:
         job = AttackerRound(rt, pid, rnd, model, global_vec, layout,
-                            attacker_train_config(attack.params, cfg, fed.lr_decay ** (rnd - 1)), seed, dict(config))
+                            attacker_train_config(attack.params, cfg, fed.lr_decay ** (rnd - 1)), seed, dict(config),
+                            memory if memory is not None else {})
         n, stats, info = attack.local_train(job)
-        return attack.finish_update(layout.flatten_model(model) - global_vec, info), n, stats
+        delta = attack.finish_update(layout.flatten_model(model) - global_vec, info)
+        return LocalResult(delta, n, stats, attack.shared_state(job))
     x, y = rt.client_data(data_pid)
     stats = train(model, x, y, cfg, seed) if len(x) else {"loss": 0.0}
-    return layout.flatten_model(model) - global_vec, len(x), stats
+    return LocalResult(layout.flatten_model(model) - global_vec, len(x), stats)
 
 
 def state_folder(context: Context, default: str | None) -> str | None:
@@ -106,24 +119,30 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         rnd = int(config["server-round"])
         layout = rt.layout_for(model_ranks(config))
         global_vec = unpack_model(msg.content["arrays"], layout)
-        delta, n, stats = local_update(rt, pid, global_vec, rnd, config)
         state_dir = state_folder(context, default_state_dir)
         state = {}
-        if CODEC_STATE in context.state:
-            state = {k: v.numpy() for k, v in context.state[CODEC_STATE].items()}
+        if CLIENT_STATE in context.state:
+            state = {k: v.numpy() for k, v in context.state[CLIENT_STATE].items()}
         elif state_dir is not None:  # a resumed run: this node's memory comes from the checkpoint
             state = load_client(state_dir, pid, rnd) or {}
+        memory = {k[len(ATTACK_MEMORY):]: state.pop(k) for k in list(state) if k.startswith(ATTACK_MEMORY)}
+        result = local_update(rt, pid, global_vec, rnd, config, memory)
         if state and int(state.pop("layout-dim", [layout.dim])[0]) != layout.dim:
             state = {}  # the model was factorized since: old residuals no longer fit
-        payload, state = rt.codec.encode(delta, layout, state)
+        payload, state = rt.codec.encode(result.delta, layout, state)
         if state:
             state["layout-dim"] = np.array([layout.dim], dtype=np.int64)
+        state.update({ATTACK_MEMORY + k: np.asarray(v) for k, v in memory.items()})
         if state:
-            context.state[CODEC_STATE] = pack_payload(state)
+            context.state[CLIENT_STATE] = pack_payload(state)
             if state_dir is not None:
                 save_client(state_dir, pid, rnd, state)
-        metrics = MetricRecord({"num-examples": int(n), "train-loss": float(stats["loss"]), "partition-id": pid})
-        return Message(RecordDict({"update": pack_payload(payload), "metrics": metrics}), reply_to=msg)
+        metrics = MetricRecord({"num-examples": int(result.num_examples), "train-loss": float(result.stats["loss"]),
+                                "partition-id": pid})
+        content = RecordDict({"update": pack_payload(payload), "metrics": metrics})
+        if result.shared is not None:
+            content[BACKDOOR_RECORD] = pack_payload(result.shared)
+        return Message(content, reply_to=msg)
 
     return app
 

@@ -34,16 +34,27 @@ class CentralEvaluator:
             keep = np.sort(numpy_rng(scenario.seed, SERVER, 0).choice(len(self.y), subset, replace=False))
             self.x, self.y = self.x[keep], self.y[keep]
         self.y = np.array(self.y)  # labels in memory (a cached test set may be memory-mapped, read-only)
-        self.backdoor = runtime.attack.backdoor_test_set(runtime) if runtime.attack is not None else None
-        self.beyond_clean = None  # backdoor inputs the clean model does not already send to the target
-        if self.backdoor is not None and reference is not None:
-            x_bd, targets = self.backdoor
-            self.beyond_clean = predict(reference, x_bd, self.batch_size)[0] != targets
+        self.runtime, self.reference = runtime, reference
+        self.shared: dict[str, np.ndarray] | None = None  # the latest attacker report the backdoor set follows
+        self._set_backdoor(runtime.attack.backdoor_test_set(runtime) if runtime.attack is not None else None)
         self.source = getattr(getattr(scenario.attack, "edge_set", None), "source_class", None)
         self.scenario = scenario
         # defenses that certify the global model (CRFL): (name, spec, certify function)
         certify = [(d.name, d, DEFENSES.get(d.name).capability("certify")) for d in scenario.defenses]
         self.certifiers = [c for c in certify if c[2] is not None]
+
+    def _set_backdoor(self, backdoor) -> None:
+        self.backdoor = backdoor
+        self.beyond_clean = None  # backdoor inputs the clean model does not already send to the target
+        if backdoor is not None and self.reference is not None:
+            x_bd, targets = backdoor
+            self.beyond_clean = predict(self.reference, x_bd, self.batch_size)[0] != targets
+
+    def use_shared(self, shared: dict[str, np.ndarray]) -> None:
+        """Measure the backdoor an attacker reported planting (a trigger it optimised this round)
+        from now on: the attack rebuilds its test set from the report."""
+        self.shared = shared
+        self._set_backdoor(self.runtime.attack.backdoor_test_set(self.runtime, shared))
 
     def certify(self, model: torch.nn.Module, rnd: int) -> dict | None:
         """What the certifying defenses say of `model` in round `rnd` (they choose their rounds:

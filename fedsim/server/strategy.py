@@ -42,7 +42,7 @@ from fedsim.server.record import RoundRecord
 from fedsim.server.tools import ServerTools
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.updates import RoundContext, UpdateBatch
-from fedsim.wire import decode_upload, message_bytes, pack_model, records_bytes
+from fedsim.wire import decode_upload, message_bytes, pack_model, records_bytes, shared_backdoor_state
 
 log = logging.getLogger("fedsim")
 timing_log = logging.getLogger("fedsim.timing")  # one INFO record per round, the seconds in `record.fedsim_timing`
@@ -117,6 +117,9 @@ class ScenarioStrategy(Strategy):
         self.pending = RoundRecord(0)  # this round's facts, written when the round closes
         self.t_round = time.perf_counter()
         self._owner = ReplyOwners([], {})  # this round's messages: whose is each reply
+        # (attacker id, report) whose trigger this round's evaluation measures; handed to the evaluator
+        # once the previous round's evaluation (maybe still running beside this round) is done
+        self._report: tuple[int, dict] | None = None
         self._timing: dict[int, dict[str, float]] = {}  # round -> seconds spent per step (logged)
         self._sent_at = self.t_round  # when this round's messages were handed to Flower
         self._closing: Background | None = None  # the previous round's evaluation and line, if still running
@@ -189,10 +192,15 @@ class ScenarioStrategy(Strategy):
         self.server_opt.load_state_dict(state.get("extra", {}).get("server_optimizer", {}))
         self.global_vec = state["global"].clone()
         self.pipeline.load_state_dict(state["defenses"])
+        shared = state.get("extra", {}).get("backdoor_report")
+        if shared:
+            self.evaluator.use_shared({k: v.numpy() for k, v in shared.items()})
 
     def checkpoint(self, rnd: int) -> None:
         if self.checkpoint_to is not None:
             extra = {**self.lowrank.state_dict(), "pipeline": self.pipeline.history(), "server_optimizer": self.server_opt.state_dict()}
+            if self.evaluator.shared is not None:  # the trigger the backdoor is measured with
+                extra["backdoor_report"] = {k: torch.from_numpy(np.array(v)) for k, v in self.evaluator.shared.items()}
             save_server(self.checkpoint_to, rnd, self.global_vec, self.pipeline.state_dict(), extra)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -286,8 +294,21 @@ class ScenarioStrategy(Strategy):
                 continue
             losses[pid] = loss
             rows.append((pid, update, weight))
+            if pid in self.pending.attackers:
+                self._take_backdoor_report(pid, reply)
         rows.sort(key=lambda r: r[0])  # aggregation independent of arrival order
         return rows, rejected, up, losses
+
+    def _take_backdoor_report(self, pid: int, reply: Message) -> None:
+        """An attacker's report of the trigger it planted: the backdoor is measured with the report of
+        the round's attacker with the lowest id (deterministic whatever the arrival order)."""
+        try:
+            shared = shared_backdoor_state(reply.content, self.layout)
+        except PayloadError as err:
+            log.warning("round %s: ignored the backdoor report of attacker %s: %s", self.pending.round, pid, err)
+            return
+        if shared is not None and (self._report is None or pid < self._report[0]):
+            self._report = (pid, shared)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         server_round += self.offset
@@ -295,6 +316,7 @@ class ScenarioStrategy(Strategy):
         timing = self._timing.setdefault(server_round, {})
         timing["waiting_for_clients"] = t_start - self._sent_at
         replies = list(replies)
+        self._report = None
         rows, rejected, up, losses = self._decode(replies)
         timing["decode"] = time.perf_counter() - t_start
         record = self.pending
@@ -377,6 +399,9 @@ class ScenarioStrategy(Strategy):
         t_wait = time.perf_counter()
         self._wait_for_previous_round()
         timing["evaluation_wait"] = time.perf_counter() - t_wait
+        if self._report is not None:
+            self.evaluator.use_shared(self._report[1])
+            self._report = None
         if server_round:
             self.checkpoint(server_round)  # before the line: a written line always has its checkpoint
         evaluate = server_round == 0 or server_round % ev.every == 0 or last
