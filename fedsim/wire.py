@@ -18,7 +18,10 @@ from fedsim.models.layout import ModelLayout
 MAX_PAYLOAD_FACTOR = 4  # a payload may be at most this many times the float32 model (plus 1 MiB)
 MAX_EXAMPLES = 2**31 - 1  # an example count above this is not a client's dataset; float32 weights stay exact-ish and finite
 F32_MAX = float(np.finfo(np.float32).max)
-BACKDOOR_RECORD = "backdoor"  # an attacker's report for the backdoor measurement (simulation's measurement channel)
+# An attacker's reports for the experimenter, beside its upload: not part of the protocol, so not counted in bytes
+BACKDOOR_RECORD = "backdoor"  # the trigger it planted (ArrayRecord)
+ATTACK_METRICS_RECORD = "attack-metrics"  # what its attack cost it, e.g. train-seconds (MetricRecord)
+MEASUREMENT_RECORDS = frozenset({BACKDOOR_RECORD, ATTACK_METRICS_RECORD})
 MAX_NORM = F32_MAX**0.5  # an update's L2 norm must stay below this: its float32 sum of squares is then finite
 
 
@@ -143,11 +146,11 @@ def message_bytes(msg: Message) -> int:
     outside int64 arrives as is) could not have crossed a real wire: PayloadError, naming the
     record and key the serializer refused. The strategies then count 0 bytes for that reply (the
     client is absent from `bytes_up_per_client`, like a client whose reply is an error).
-    An attacker's report for the backdoor measurement (`BACKDOOR_RECORD`) is not part of the
-    protocol and is left out.
+    An attacker's reports to the experimenter (`MEASUREMENT_RECORDS`) are not part of the protocol
+    and are left out.
     """
     try:
-        return recorddict_size(RecordDict({k: v for k, v in msg.content.items() if k != BACKDOOR_RECORD}))
+        return recorddict_size(RecordDict({k: v for k, v in msg.content.items() if k not in MEASUREMENT_RECORDS}))
     except Exception as err:  # whatever the content holds, sizing it never takes the round down
         raise PayloadError(f"reply does not serialize: {unserializable_entry(msg.content)}{error_text(err)}") from None
 
@@ -163,6 +166,14 @@ def shared_backdoor_state(content, layout: ModelLayout) -> dict[str, np.ndarray]
         raise
     except Exception as err:
         raise PayloadError(f"malformed backdoor report: {error_text(err)}") from None
+
+
+def attacker_train_seconds(content) -> float | None:
+    """The training seconds an attacker reported beside its upload, or None (not reported, or not a number)."""
+    if ATTACK_METRICS_RECORD not in content.metric_records:
+        return None
+    value = content[ATTACK_METRICS_RECORD].get("train-seconds")
+    return float(value) if is_number(value) and 0 <= value < 1e9 else None
 
 
 def unserializable_entry(content, limit: int = 1000) -> str:

@@ -59,6 +59,9 @@ def test_memory_grows_across_attack_rounds_and_the_report_sets_the_backdoor(tmp_
     rounds, seen, asked, run_dir = run(tmp_path / "a", monkeypatch, report=True)
     attack_rounds = [r["round"] for r in rounds if r["attackers"]]
     assert attack_rounds == [1, 3, 5]
+    assert [r["rounds_since_attack"] for r in rounds] == [0, 1, 0, 1, 0]
+    assert all(set(r.get("attacker_train_seconds", {})) == {str(a) for a in r["attackers"]} for r in rounds)
+    assert all(s > 0 for r in rounds for s in r.get("attacker_train_seconds", {}).values())
     assert seen == [0, 1, 2]  # the same attacker continues from its previous attack round
     # the evaluator's first set (no report yet), then one per attack round, in order
     assert asked == [None, 1, 2, 3]
@@ -73,3 +76,17 @@ def test_memory_grows_across_attack_rounds_and_the_report_sets_the_backdoor(tmp_
     # and the backdoor is measured on the reported set from the first attack round on
     assert [r["main_accuracy"] for r in rounds] == [r["main_accuracy"] for r in plain_rounds]
     assert [r["backdoor_success"] for r in rounds] != [r["backdoor_success"] for r in plain_rounds]
+
+
+def test_rounds_since_attack_after_a_resume_is_found_from_the_seeded_schedule():
+    from fedsim.runtime import runtime_for
+    from fedsim.server.strategy import ScenarioStrategy
+
+    scenario = load_scenario("scenarios/quickstart.yaml", ["federation.rounds=12", "attack.schedule.every=5",
+                                                            "attack.schedule.first=2"])
+    walked = ScenarioStrategy(runtime_for(scenario))
+    expected = [walked.rounds_since_attack(r, bool(walked.sample(r)[1])) for r in range(1, 13)]
+    assert expected == [None, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0]
+    for start in (3, 9, 12):  # a fresh strategy, as after `--resume`, continuing at round `start`
+        resumed = ScenarioStrategy(runtime_for(scenario))
+        assert resumed.rounds_since_attack(start, bool(resumed.sample(start)[1])) == expected[start - 1]

@@ -37,8 +37,8 @@ REL_TOL, ABS_TOL = 1e-6, 1e-9
 REL_TOL_OF = {"cuttlefish": 1e-2}
 # Fields added to rounds.jsonl after the recording, each checked by its own tests:
 # `detection` (issue #19's detection audit: tests/test_detection.py), `backdoor_success_beyond_clean`
-# (issue #20: tests/test_central_evaluation.py).
-ADDED_SINCE = {"detection", "backdoor_success_beyond_clean"}
+# (issue #20: tests/test_central_evaluation.py), `rounds_since_attack` (issue #20: tests/test_lifecycle.py).
+ADDED_SINCE = {"detection", "backdoor_success_beyond_clean", "rounds_since_attack"}
 
 
 def differences(want, got, path: str, rel_tol: float = REL_TOL) -> list[str]:

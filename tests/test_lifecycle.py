@@ -40,3 +40,10 @@ def test_without_attack_or_backdoor_metric():
     quiet = backdoor_lifecycle(lines([0.1, 0.1], set()), threshold=0.5)
     assert quiet["first_attack_round"] is None and quiet["auc"] == pytest.approx(0.1)
     assert backdoor_lifecycle([{"round": 1, "backdoor_success": None}], 0.5) is None
+
+
+def test_attack_cost_adds_the_attackers_reported_training_seconds():
+    got = lines([0.1, 0.6, 0.7], {1, 3})
+    got[1]["attacker_train_seconds"] = {"7": 1.5}
+    got[3]["attacker_train_seconds"] = {"7": 2.0, "9": 0.25}
+    assert backdoor_lifecycle(got, threshold=0.5)["attacker_train_seconds"] == pytest.approx(3.75)

@@ -12,6 +12,7 @@ run or a restarted device continues with them (fedsim/runs/checkpoint.py).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,7 +27,7 @@ from fedsim.registry import AGGREGATORS
 from fedsim.runtime import runtime_for
 from fedsim.seeding import TRAIN, derive_seed
 from fedsim.training import TrainConfig, train
-from fedsim.wire import BACKDOOR_RECORD, pack_payload, unpack_model
+from fedsim.wire import ATTACK_METRICS_RECORD, BACKDOOR_RECORD, pack_payload, unpack_model
 
 CLIENT_STATE = "client-state"  # codec memory (error feedback) and an attacker's own arrays
 ATTACK_MEMORY = "attack."  # prefix of an attacker's own arrays in the client's saved state
@@ -126,7 +127,9 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         elif state_dir is not None:  # a resumed run: this node's memory comes from the checkpoint
             state = load_client(state_dir, pid, rnd) or {}
         memory = {k[len(ATTACK_MEMORY):]: state.pop(k) for k in list(state) if k.startswith(ATTACK_MEMORY)}
+        started = time.perf_counter()
         result = local_update(rt, pid, global_vec, rnd, config, memory)
+        train_seconds = time.perf_counter() - started
         if state and int(state.pop("layout-dim", [layout.dim])[0]) != layout.dim:
             state = {}  # the model was factorized since: old residuals no longer fit
         payload, state = rt.codec.encode(result.delta, layout, state)
@@ -140,6 +143,8 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         metrics = MetricRecord({"num-examples": int(result.num_examples), "train-loss": float(result.stats["loss"]),
                                 "partition-id": pid})
         content = RecordDict({"update": pack_payload(payload), "metrics": metrics})
+        if pid in rt.attackers and rt.attack is not None and rt.attack.side == "client":  # the attack's cost
+            content[ATTACK_METRICS_RECORD] = MetricRecord({"train-seconds": train_seconds})
         if result.shared is not None:
             content[BACKDOOR_RECORD] = pack_payload(result.shared)
         return Message(content, reply_to=msg)

@@ -15,7 +15,8 @@ round t, on evaluated training rounds only: round 0, the initial model, never co
 - `auc`: the mean of s_t over the evaluated training rounds (the area under the success curve,
   normalised to [0, 1]); `auc_after_attack`: the same after the last attack round.
 - cost: `attacker_rounds` (attack rounds with an attacker), `attacker_bytes_up` (what the
-  attackers uploaded, from `bytes_up_per_client`).
+  attackers uploaded, from `bytes_up_per_client`), `attacker_train_seconds` (client-side
+  attackers' local training, as they reported it; wall-clock, so it varies between runs).
 
 The standard durability experiment attacks in listed rounds only (`schedule: {name: rounds,
 rounds: [...]}`) and runs on without attack after the last of them.
@@ -36,7 +37,8 @@ def backdoor_lifecycle(rounds: list[dict], threshold: float) -> dict | None:
         return sum(per_client.get(str(a), 0) for a in line.get("attackers", []))
 
     out: dict = {"threshold": threshold, "attacker_rounds": len(attack_rounds),
-                 "attacker_bytes_up": sum(attackers_bytes(r) for r in lines)}
+                 "attacker_bytes_up": sum(attackers_bytes(r) for r in lines),
+                 "attacker_train_seconds": sum(sum(r.get("attacker_train_seconds", {}).values()) for r in lines)}
     values = list(success.values())
     out["auc"] = sum(values) / len(values)
     if not attack_rounds:

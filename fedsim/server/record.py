@@ -8,7 +8,8 @@ to None is written as null.
 Which fields a line has:
 - round 0 (the initial model, with `evaluation.initial`): round, sampled, attackers, bytes_up,
   bytes_down, the evaluation fields, wall_seconds;
-- a trained round: everything from `round` to `honest_update_norm_median`, plus, once its updates
+- a trained round: everything from `round` to `honest_update_norm_median` (`attacker_train_seconds`
+  when a client-side attacker took part, `rounds_since_attack` when the scenario has an attack), plus, once its updates
   reached the defenses and rule, `detection`, and, when it was aggregated (`skipped` is null),
   `aggregated`, `global_norm` and `model_params`;
 - with a certifying defense (CRFL), on its rounds, `certification`;
@@ -46,6 +47,9 @@ class RoundRecord:
     skipped: str | None | _Unset = UNSET  # why the round was not aggregated (the global model stays), or null
     train_loss: float | None | _Unset = UNSET  # mean reported training loss of the accepted uploads
     attacker_update_norms: dict | _Unset = UNSET  # attacker -> L2 norm of its decoded update
+    attacker_train_seconds: dict | _Unset = UNSET  # client-side attacker -> seconds of its local training (its cost)
+    rounds_since_attack: int | None | _Unset = UNSET  # with an attack: rounds since the last round with an attacker
+    #   (0 in an attack round, null before the first): the x axis of a durability curve
     honest_update_norm_median: float | None | _Unset = UNSET  # median L2 norm of the honest decoded updates
     aggregator: dict | _Unset = UNSET  # what a choosing rule reported (selected / voters / outvoted), by client id
     aggregated: list[int] | _Unset = UNSET  # clients whose updates reached the rule after the defenses
@@ -82,7 +86,7 @@ class RoundRecord:
 
 _NAMES = frozenset(f.name for f in fields(RoundRecord))
 # Wall-clock fields: they differ from run to run; everything else in a line is reproducible.
-TIME_FIELDS = frozenset({"wall_seconds", "match_seconds", "pipeline_seconds"})
+TIME_FIELDS = frozenset({"wall_seconds", "match_seconds", "pipeline_seconds", "attacker_train_seconds"})
 
 
 def without_times(lines: list[dict]) -> list[dict]:

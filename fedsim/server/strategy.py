@@ -42,7 +42,7 @@ from fedsim.server.record import RoundRecord
 from fedsim.server.tools import ServerTools
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.updates import RoundContext, UpdateBatch
-from fedsim.wire import decode_upload, message_bytes, pack_model, records_bytes, shared_backdoor_state
+from fedsim.wire import attacker_train_seconds, decode_upload, message_bytes, pack_model, records_bytes, shared_backdoor_state
 
 log = logging.getLogger("fedsim")
 timing_log = logging.getLogger("fedsim.timing")  # one INFO record per round, the seconds in `record.fedsim_timing`
@@ -120,6 +120,8 @@ class ScenarioStrategy(Strategy):
         # (attacker id, report) whose trigger this round's evaluation measures; handed to the evaluator
         # once the previous round's evaluation (maybe still running beside this round) is done
         self._report: tuple[int, dict] | None = None
+        self._last_attack_round: int | None = None  # see rounds_since_attack
+        self._looked_back = False
         self._timing: dict[int, dict[str, float]] = {}  # round -> seconds spent per step (logged)
         self._sent_at = self.t_round  # when this round's messages were handed to Flower
         self._closing: Background | None = None  # the previous round's evaluation and line, if still running
@@ -236,9 +238,21 @@ class ScenarioStrategy(Strategy):
         self.pending = RoundRecord(server_round, sampled, strikers, bytes_down=down, bytes_down_per_client=down_per_client)
         if groups:
             self.pending.groups = groups
+        if self.scenario.attack is not None:
+            self.pending.rounds_since_attack = self.rounds_since_attack(server_round, bool(strikers))
         self._sent_at = time.perf_counter()
         self._timing[server_round] = {"encode": self._sent_at - self.t_round}
         return [msg for msg, _ in sent]
+
+    def rounds_since_attack(self, server_round: int, attacked: bool) -> int | None:
+        """Rounds since the last round with an attacker (0 now, None before any). The schedule is
+        seeded per round, so after a resume the last attack round is found by sampling back."""
+        if self._last_attack_round is None and server_round > 1 and not self._looked_back:
+            self._looked_back = True
+            self._last_attack_round = next((r for r in range(server_round - 1, 0, -1) if self.sample(r)[1]), None)
+        if attacked:
+            self._last_attack_round = server_round
+        return None if self._last_attack_round is None else server_round - self._last_attack_round
 
     def longest_first(self, sampled: list[int], shard_of: dict[int, int]) -> list[int]:
         """The sampled clients, largest partition first (ties by id): the order the messages are created
@@ -278,6 +292,7 @@ class ScenarioStrategy(Strategy):
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes."""
         rows, rejected, up, losses = [], {}, 0, {}
         up_per_client = self.pending.bytes_up_per_client = {}
+        train_seconds = {}
         for reply in replies:
             pid = self._owner(reply)
             if reply.has_error():
@@ -296,7 +311,12 @@ class ScenarioStrategy(Strategy):
             rows.append((pid, update, weight))
             if pid in self.pending.attackers:
                 self._take_backdoor_report(pid, reply)
+                seconds = attacker_train_seconds(reply.content)
+                if seconds is not None:
+                    train_seconds[pid] = seconds
         rows.sort(key=lambda r: r[0])  # aggregation independent of arrival order
+        if train_seconds:
+            self.pending.attacker_train_seconds = dict(sorted(train_seconds.items()))
         return rows, rejected, up, losses
 
     def _take_backdoor_report(self, pid: int, reply: Message) -> None:
