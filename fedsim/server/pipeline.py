@@ -2,10 +2,11 @@
 
     server-side attack -> each defense's `before` -> the aggregation rule -> each defense's `after`
 
-Pure apart from the defenses' own state (FoolsGold's history, ...), which it holds and
-checkpoints. The strategy (fedsim/server/strategy.py) decodes the replies into an `UpdateBatch`,
-calls `RoundPipeline.run` and writes the `RoundOutcome` into the round's record. Tests and
-benchmarks call it directly on tensors.
+Pure apart from the defenses' own state (FoolsGold's history, ...) and a stateful server-side
+attack's (mimic's direction estimate), which it holds and checkpoints. The strategy
+(fedsim/server/strategy.py) decodes the replies into an `UpdateBatch`, calls `RoundPipeline.run`
+and writes the `RoundOutcome` into the round's record. Tests and benchmarks call it directly on
+tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from fedsim.aggregators.base import AggregationError
-from fedsim.registry import AGGREGATORS, DEFENSES, component_kwargs
+from fedsim.registry import AGGREGATORS, ATTACKS, DEFENSES, component_kwargs
 from fedsim.updates import RoundContext, UpdateBatch
 
 log = logging.getLogger("fedsim")
@@ -70,6 +71,11 @@ class RoundPipeline:
         self.entry = AGGREGATORS.get(spec.name)  # the rule and what it declared (groups, info)
         self.kwargs = component_kwargs(spec)
         self.attack = attack if attack is not None and attack.side == "server" else None
+        entry = next((e for e in ATTACKS.entries() if e.obj is type(self.attack)), None) if self.attack is not None else None
+        self.attack_takes_ids = bool(entry and entry.capability("with_client_ids", False))  # craft(..., honest_ids=)
+        self.attack_stateful = bool(entry and entry.capability("stateful", False))  # state_dict / load_state_dict
+        if self.attack_stateful:  # its own instance, as the defenses: the runtime's may serve several runs of a process
+            self.attack = type(self.attack)(self.attack.params)
         self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in scenario.defenses]
         self.previous_aggregate: torch.Tensor | None = None  # what the last aggregated round applied (ctx)
 
@@ -110,7 +116,10 @@ class RoundPipeline:
         if bad.all() or not bad.any():
             return batch
         updates = batch.updates.clone()
-        updates[bad] = self.attack.craft(batch.updates[~bad], int(bad.sum()), ctx)
+        kwargs = {}
+        if self.attack_takes_ids:  # an attack that follows clients across rounds (mimic)
+            kwargs["honest_ids"] = tuple(pid for pid, b in zip(batch.client_ids, bad.tolist()) if not b)
+        updates[bad] = self.attack.craft(batch.updates[~bad], int(bad.sum()), ctx, **kwargs)
         return batch.with_updates(updates)
 
     def aggregate(self, batch: UpdateBatch, groups: list[list[int]] | None, out: RoundOutcome,
@@ -133,7 +142,7 @@ class RoundPipeline:
             out.weights = dict(out.aggregator["per_row"]["weight"])
         return aggregate
 
-    # --- state for checkpoints: the defenses' own, and the last aggregate -------------------------
+    # --- state for checkpoints: the defenses' own, the last aggregate and a stateful attack's -----
     def state_dict(self) -> dict[str, dict]:
         return {name: d.state_dict() for name, d in self.defenses}
 
@@ -142,10 +151,15 @@ class RoundPipeline:
             defense.load_state_dict(states.get(name, {}))
 
     def history(self) -> dict:
-        return {"previous_aggregate": None if self.previous_aggregate is None else self.previous_aggregate.clone()}
+        out = {"previous_aggregate": None if self.previous_aggregate is None else self.previous_aggregate.clone()}
+        if self.attack_stateful:
+            out["attack"] = self.attack.state_dict()
+        return out
 
     def load_history(self, state: dict) -> None:
         self.previous_aggregate = state.get("previous_aggregate")
+        if self.attack_stateful:  # a checkpoint without it (older, or saved before any attack round): a fresh start
+            self.attack.load_state_dict(state.get("attack", {}))
 
     @property
     def defense_names(self) -> list[str]:
