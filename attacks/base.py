@@ -38,6 +38,11 @@ class Attack(ABC):
         `shared`: the latest `shared_state` an attacker reported (None before any attack round)."""
         return None
 
+    def source_class(self) -> int | None:
+        """The class whose inputs the backdoor turns (an edge-case set's source), if the attack has one:
+        the server reports the global model's clean accuracy on it beside the backdoor's success."""
+        return None
+
     def honest_extra_data(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Extra correctly labelled data an *honest* client holds in this scenario (normal-case variants)."""
         return None

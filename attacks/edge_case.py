@@ -106,6 +106,9 @@ class EdgeCaseBackdoor(ClientAttack):
     def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
         return delta * self.scale(info) if self.params.mode == "pgd_replacement" else delta
 
+    def source_class(self) -> int | None:
+        return getattr(self.params.edge_set, "source_class", None)
+
     def honest_extra_data(self, runtime, partition_id: int):
         """Normal-case variants (§1.2): some honest clients hold edge inputs with their true label.
 

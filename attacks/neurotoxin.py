@@ -209,6 +209,9 @@ class Neurotoxin(ClientAttack):
     def honest_extra_data(self, runtime, partition_id: int):
         return self.poison.honest_extra_data(runtime, partition_id)
 
+    def source_class(self) -> int | None:
+        return self.poison.source_class()
+
     def report(self, runtime) -> dict:
         p = self.params
         return {**self.poison.report(runtime), "poison": p.poison.name, "mask_ratio": p.mask_ratio,

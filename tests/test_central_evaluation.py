@@ -17,7 +17,9 @@ class _Runtime:
     def __init__(self, scenario, x, y, backdoor):
         self.scenario = scenario
         self.data = type("Data", (), {"x_test": x, "y_test": y})()
-        self.attack = type("Attack", (), {"backdoor_test_set": lambda _self, _rt: backdoor})()
+        source = getattr(getattr(scenario.attack, "edge_set", None), "source_class", None)
+        self.attack = type("Attack", (), {"backdoor_test_set": lambda _self, _rt: backdoor,
+                                          "source_class": lambda _self: source})()
 
 
 def _naive(model, x, y, x_bd, t_bd, source):

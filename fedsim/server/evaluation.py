@@ -37,7 +37,7 @@ class CentralEvaluator:
         self.runtime, self.reference = runtime, reference
         self.shared: dict[str, np.ndarray] | None = None  # the latest attacker report the backdoor set follows
         self._set_backdoor(runtime.attack.backdoor_test_set(runtime) if runtime.attack is not None else None)
-        self.source = getattr(getattr(scenario.attack, "edge_set", None), "source_class", None)
+        self.source = runtime.attack.source_class() if runtime.attack is not None else None
         self.scenario = scenario
         # defenses that certify the global model (CRFL): (name, spec, certify function)
         certify = [(d.name, d, DEFENSES.get(d.name).capability("certify")) for d in scenario.defenses]
