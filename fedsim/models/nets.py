@@ -55,12 +55,15 @@ class LeNet(nn.Module):
         self.fc1 = nn.Linear(c2 * ((h - 4) // 2) * ((w - 4) // 2), hidden)
         self.fc2 = nn.Linear(hidden, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The penultimate-layer embedding: what `fc2` receives (dropout included in train mode)."""
         x = torch.relu(self.conv1(x))
         x = torch.relu(self.conv2(x))
         x = self.dropout1(torch.flatten(torch.max_pool2d(x, 2), 1))
-        x = self.dropout2(torch.relu(self.fc1(x)))
-        return self.fc2(x)
+        return self.dropout2(torch.relu(self.fc1(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.features(x))
 
 
 @MODELS.register("lenet", LeNetParams)
@@ -97,6 +100,27 @@ def vgg9(
             channels = width
     layers += [nn.AvgPool2d(1, 1), nn.Flatten(), nn.Linear(channels, num_classes)]
     return nn.Sequential(*layers)
+
+
+def head(model: nn.Module) -> nn.Module:
+    """The classification layer of a registered net (mlp, lenet, vgg9, factorized or not): the
+    last layer, which maps the penultimate embedding to the logits."""
+    if isinstance(model, LeNet):
+        return model.fc2
+    if isinstance(model, nn.Sequential):
+        return model[-1]
+    raise TypeError(f"{type(model).__name__} is not one of the registered nets (mlp, lenet, vgg9): no known head")
+
+
+def features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The penultimate-layer embedding of a registered net: the head's input, so that
+    `model(x) == head(model)(features(model, x))`. Splits the forward pass without changing the
+    models' parameters, their order or their state-dict keys."""
+    if isinstance(model, LeNet):
+        return model.features(x)
+    if isinstance(model, nn.Sequential):
+        return model[:-1](x)
+    raise TypeError(f"{type(model).__name__} is not one of the registered nets (mlp, lenet, vgg9): no known embedding")
 
 
 def resized(name: str, input_shape: tuple[int, ...], num_classes: int, params, widths: tuple[int, ...]) -> nn.Module:

@@ -1,0 +1,381 @@
+"""Chameleon (Dai & Li, ICML 2023, "Adapting to Peer Images for Planting Durable Backdoors in
+Federated Learning"): another attack's poisoned data, learnt through a contrastive encoder stage
+so that the backdoor survives the rounds after the attack.
+
+The poisoned data is a client-side attack's, nested as `poison` (`{name: trigger, ...}`,
+`{name: edge_case, ...}`): its training set and its backdoor test set are Chameleon's. Every
+attack round the attacker trains from the global model in two stages (paper §4, Algorithm 1;
+official code `training.py`, `utils/losses.py`):
+
+1. **Encoder** (every layer below the classification head), `contrastive_epochs` epochs of SGD
+   on the supervised contrastive loss (Khosla et al. 2020, the code's `SupConLoss`) over the
+   L2-normalised penultimate embeddings (the code's `SupConResNet` backbone: the head's input,
+   normalised). Poisoned inputs carry the target label, so their positives are the other poisoned
+   inputs and the target-class images (the paper's *facilitators*) and every other image, the
+   source-class images they were made from included (the *obstructors*), is a negative: the
+   embeddings of poisoned images move towards the target class's and away from their own class's.
+   For anchor i with positives P(i) (same label, not i) and A(i) = every other row,
+
+       l_i = -(T / T_b) * w_i / |P(i)| * sum_{p in P(i)} log( exp(z_i.z_p / T) / sum_{a in A(i)} exp(z_i.z_a / T) )
+
+   with w_i = `facilitator_weight` for target-class anchors (the code's
+   `contrastive_loss_scale_weight`) and 1 otherwise; the loss is the batch mean (rows without
+   positives give 0). SGD with the code's own momentum and weight decay for this stage.
+2. **Head**: the encoder frozen (the code's `is_frozen_params`: only `linear.*` trains),
+   `local_epochs` epochs of cross-entropy at `lr` with the honest clients' momentum and weight
+   decay (the code builds this optimizer from `momentum` and `decay`, the honest settings).
+
+Both stages decay their lr like the code's `MultiStepLR`, stepped at the *start* of each epoch:
+epoch e (from 1) runs at lr * gamma^(number of milestones <= e). After every step of both stages
+the model is projected onto the L2 ball of radius `pgd_norm` around the global model (the code's
+`diff_privacy` with `s_norm`; in stage 2 this rescales the whole difference, encoder included, as
+there). The finished update is multiplied by `scale` (`scale_weights`) and clipped to `pgd_norm`
+once more (the code's final `diff_privacy` clip).
+
+Where fedsim differs from the official code, and why:
+
+* The batches are the nested attack's training set shuffled each epoch (the share it poisons
+  chosen once), not the code's re-insertion of `poison_batch_len` poisoned images, each with
+  N(0, 0.01) noise, at the head of every clean batch: what is poisoned is the nested attack's
+  definition, and with `contrastive_epochs: 0, freeze_encoder: false` and a flat schedule
+  Chameleon trains bit for bit like that attack's plain training.
+* The code's `contrastive_loss_down_scale_weight` (1 in every released configuration; it scales
+  the similarities between a batch's first rows and class 1, hard-coded) is left out, as BackFed's
+  re-implementation does.
+* The code ends stage 2 early once the loss on the backdoor *test* set falls below 1e-4; the
+  attacker here does not read the server's test set.
+* The code's one simulated adversary multiplies its update by the number of adversaries; here each
+  attacker sends its own.
+
+Defaults are the code's EMNIST pixel-trigger configuration (`params_pixel_trigger_emnist.yaml`),
+the closest to fedsim's digit sets; the CIFAR-10 configurations' values are in the descriptions.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, Field, SerializeAsAny, field_serializer, field_validator
+from torch import nn
+
+from fedsim.attacks.base import AttackerRound, AttackParams, ClientAttack
+from fedsim.attacks.edge_case import project_l2
+from fedsim.attacks.trigger import Scale, update_scale
+from fedsim.models.nets import features, head
+from fedsim.registry import ATTACKS
+from fedsim.seeding import derive_seed
+from fedsim.training import SGD
+
+DEFAULT_POISON = "trigger"
+CONTRASTIVE = 0xC4A3  # seed purpose of the contrastive stage (stage 2 uses the round's own seed)
+# who attacks and when, and the stage-2 epochs / lr, are Chameleon's own settings, never the nested attack's
+NOT_NESTED = ("num_attackers", "attacker_ids", "schedule", "local_epochs", "lr")
+
+
+# --------------------------------------------------------------------------- the loss
+def supcon_loss(
+    z: torch.Tensor, labels: torch.Tensor, target: int, temperature: float = 0.07, base_temperature: float = 0.07,
+    facilitator_weight: float = 1.0,
+) -> torch.Tensor:
+    """The official code's supervised contrastive loss of embeddings `z` [n, k] (normalised by the
+    caller) with `labels` [n]: positives share the anchor's label, the anchor itself is excluded
+    from both sums, target-class anchors weigh their positives by `facilitator_weight`, the mean is
+    over all n anchors (rows without positives count as 0). A batch of one has no pairs: 0."""
+    n = z.shape[0]
+    if n < 2:
+        return z.sum() * 0.0
+    sim = z @ z.T / temperature
+    logits = sim - sim.max(dim=1, keepdim=True).values.detach()  # for numerical stability, as the code
+    others = ~torch.eye(n, dtype=torch.bool, device=z.device)
+    positive = (labels[:, None] == labels[None, :]) & others
+    log_prob = logits - torch.log((torch.exp(logits) * others).sum(dim=1, keepdim=True))
+    row_weight = torch.where(labels == target, facilitator_weight, 1.0).to(z.dtype)
+    pos_sum = (positive.to(z.dtype) * log_prob).sum(dim=1) * row_weight
+    mean_pos = pos_sum / positive.sum(dim=1).clamp(min=1).to(z.dtype)
+    return -(temperature / base_temperature) * mean_pos.mean()
+
+
+# --------------------------------------------------------------------------- the two stages
+def epoch_lrs(lr: float, epochs: int, milestones: list[int], gamma: float) -> list[float]:
+    """The lr of each epoch under the code's `MultiStepLR`, stepped at the start of every epoch."""
+    return [lr * gamma ** sum(m <= e for m in milestones) for e in range(1, epochs + 1)]
+
+
+def sgd_epochs(
+    model: nn.Module, params: list[torch.Tensor], x: np.ndarray, y: np.ndarray, batch_size: int, lrs: list[float],
+    momentum: float, weight_decay: float, seed: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    after_step: Callable[[int, bool], None] | None = None, max_steps: int | None = None,
+) -> dict:
+    """SGD on `params` over shuffled batches of (x, y), one epoch per entry of `lrs`: the batching,
+    seeding and step order of `fedsim.training.train` (bit for bit with it for cross-entropy, a
+    flat lr and all parameters), with an lr per epoch and any loss."""
+    torch.manual_seed(seed)  # dropout masks
+    gen = torch.Generator().manual_seed(seed)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    opt = SGD(params, lr=lrs[0] if lrs else 0.0, momentum=momentum, weight_decay=weight_decay)
+    model.train()
+    steps, last_loss, n = 0, float("nan"), len(xt)
+    num_batches = (n + batch_size - 1) // batch_size
+    for lr in lrs:
+        if max_steps is not None and steps >= max_steps:
+            break
+        opt.lr = lr
+        order = torch.randperm(n, generator=gen)
+        total, count = 0.0, 0
+        for b in range(num_batches):
+            idx = order[b * batch_size : (b + 1) * batch_size]
+            if max_steps is not None and steps >= max_steps:
+                break
+            opt.zero_grad()
+            loss = loss_fn(xt[idx], yt[idx])
+            loss.backward()
+            opt.step()
+            steps += 1
+            if after_step is not None:
+                after_step(b, b == num_batches - 1)
+            total += loss.item() * len(idx)
+            count += len(idx)
+        last_loss = total / max(count, 1)
+    return {"loss": last_loss, "steps": steps}
+
+
+def split_parameters(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(encoder parameters, head parameters) of a registered net, in the model's order."""
+    in_head = {id(p) for p in head(model).parameters()}
+    params = list(model.parameters())
+    return [p for p in params if id(p) not in in_head], [p for p in params if id(p) in in_head]
+
+
+def contrastive_stage(
+    model: nn.Module, x: np.ndarray, y: np.ndarray, target: int, p, batch_size: int, seed: int,
+    after_step: Callable[[int, bool], None] | None = None,
+) -> dict:
+    """Stage 1: the encoder trained on the supervised contrastive loss of the normalised
+    embeddings (`p`: the ChameleonParams); the head is left as it is."""
+    encoder, _ = split_parameters(model)
+
+    def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        z = nn.functional.normalize(features(model, xb), dim=1)
+        return supcon_loss(z, yb, target, p.temperature, p.base_temperature, p.facilitator_weight)
+
+    lrs = epoch_lrs(p.contrastive_lr, p.contrastive_epochs, p.contrastive_milestones, p.contrastive_gamma)
+    return sgd_epochs(model, encoder, x, y, batch_size, lrs, p.contrastive_momentum, p.contrastive_weight_decay,
+                      seed, loss_fn, after_step)
+
+
+def head_stage(
+    model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, milestones: list[int], gamma: float,
+    freeze_encoder: bool, seed: int, after_step: Callable[[int, bool], None] | None = None,
+) -> dict:
+    """Stage 2: cross-entropy with the attacker's TrainConfig (epochs, lr, batch size, the honest
+    momentum and weight decay), only the head trained when `freeze_encoder`."""
+    encoder, head_params = split_parameters(model)
+    trained = head_params if freeze_encoder else list(model.parameters())
+    frozen = encoder if freeze_encoder else []
+    for q in frozen:
+        q.requires_grad_(False)
+    try:
+        lrs = epoch_lrs(train_cfg.lr, train_cfg.epochs, milestones, gamma)
+        return sgd_epochs(model, trained, x, y, train_cfg.batch_size, lrs, train_cfg.momentum, train_cfg.weight_decay,
+                          seed, lambda xb, yb: nn.functional.cross_entropy(model(xb), yb), after_step,
+                          train_cfg.max_steps)
+    finally:
+        for q in frozen:
+            q.requires_grad_(True)
+
+
+# --------------------------------------------------------------------------- the nested attack
+def poison_attack_names() -> list[str]:
+    """The attacks whose poisoned data Chameleon may train on: client-side attacks with a fixed
+    poisoned set (not itself, not one that trains with its own objective in its `local_train`)."""
+    def supplies_data(name: str) -> bool:
+        obj = ATTACKS.get(name).obj
+        return name != "chameleon" and obj.side == "client" and obj.local_train is ClientAttack.local_train
+
+    return [n for n in ATTACKS.names() if supplies_data(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def poison_spec_model(name: str) -> type[BaseModel]:
+    """The YAML model of one nested attack, built once per name (pydantic model creation is slow)."""
+    return ATTACKS.get(name).spec_model()
+
+
+def parse_poison(value: Any) -> BaseModel:
+    """`attack.poison` validated against the registry: a client-side attack's spec (`name` plus
+    its parameters; a bare name is shorthand) that only poisons data."""
+    if isinstance(value, BaseModel):
+        name = getattr(value, "name", None) or next(
+            (e.name for e in ATTACKS.entries() if e.params is type(value)), None)
+        value = {**value.model_dump(exclude_unset=True), "name": name}
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"attack.poison must be an attack name or a mapping with `name`, got {value!r}")
+    name = value.get("name", DEFAULT_POISON)
+    allowed = poison_attack_names()
+    if name == "chameleon":
+        raise ValueError("attack.poison cannot be chameleon itself: nest the attack whose poisoned data "
+                         f"chameleon trains on; allowed: {', '.join(allowed)}")
+    if name in ATTACKS and ATTACKS.get(name).obj.side != "client":
+        raise ValueError(f"attack.poison={name} is a server-side attack (it crafts updates on the server, "
+                         f"it has no poisoned data to train on); allowed: {', '.join(allowed)}")
+    if name in ATTACKS and name not in allowed:
+        raise ValueError(f"attack.poison={name} trains with its own objective (its own local training), not on a "
+                         f"fixed poisoned set chameleon could reuse; allowed: {', '.join(allowed)}")
+    if name not in allowed:
+        raise ValueError(f"unknown attack.poison {name!r}; allowed: {', '.join(allowed)}")
+    given = [k for k in NOT_NESTED if k in value]
+    if given:
+        raise ValueError(f"attack.poison.{given[0]} is chameleon's own setting (who attacks, when, and the head stage's "
+                         f"epochs and lr): set attack.{given[0]} instead")
+    spec = poison_spec_model(name).model_validate({**value, "name": name})
+    if not ATTACKS.get(name).obj(spec).poisons_data_only():
+        raise ValueError(
+            f"attack.poison={name} with these settings has its own training hook or update transform (a scale "
+            "other than 1, an edge_case mode other than blackbox, ...); chameleon trains and shapes the update "
+            "itself (attack.pgd_norm, attack.scale): give the nested attack data-poisoning settings only")
+    return spec
+
+
+# --------------------------------------------------------------------------- parameters
+class ChameleonParams(AttackParams):
+    poison: SerializeAsAny[BaseModel] = Field(
+        default_factory=lambda: parse_poison(DEFAULT_POISON),
+        description="the client-side attack whose poisoned data and backdoor test set chameleon uses: "
+                    "{name: trigger | edge_case | ..., <its params>}, data poisoning only",
+    )
+    contrastive_epochs: int = Field(
+        10, ge=0, description="stage-1 (encoder) epochs (code: retrain_poison_contrastive); 0 skips the stage")
+    contrastive_lr: float = Field(
+        0.05, gt=0,
+        description="stage-1 lr (code: poison_lr_contrastive; EMNIST 0.05, CIFAR-10 trigger 0.005, edge case 0.01)")
+    contrastive_momentum: float = Field(0.9, ge=0, lt=1, description="stage-1 momentum (code: momentum_contrastive)")
+    contrastive_weight_decay: float = Field(0.0005, ge=0, description="stage-1 weight decay (code: decay_contrastive)")
+    contrastive_milestones: list[int] = Field(
+        [3, 5, 7, 9],
+        description="stage-1 epochs (from 1) from which the lr is multiplied by contrastive_gamma "
+                    "(code: milestones_conrtastive)")
+    contrastive_gamma: float = Field(
+        0.005, gt=0,
+        description="stage-1 lr factor per milestone (code: lr_gamma_contrastive; EMNIST 0.005, CIFAR-10 trigger 0.1, "
+                    "edge case 0.001)")
+    temperature: float = Field(0.07, gt=0, description="supervised contrastive temperature T (code: 0.07)")
+    base_temperature: float = Field(0.07, gt=0, description="the loss is scaled by temperature / base_temperature (code: 0.07)")
+    facilitator_weight: float = Field(
+        6.0, gt=0,
+        description="weight of target-class anchors' positive pairs (code: contrastive_loss_scale_weight; "
+                    "trigger 6, edge case 4)")
+    local_epochs: int | None = Field(
+        3, ge=1, description="stage-2 (head) epochs (code: retrain_poison); null: federation.local_epochs")
+    lr: float | None = Field(
+        0.01, gt=0,
+        description="stage-2 lr, decayed like the honest lr (code: poison_lr; EMNIST 0.01, CIFAR-10 trigger 0.001); "
+                    "null: the honest lr")
+    milestones: list[int] = Field(
+        [3, 5], description="stage-2 epochs (from 1) from which the lr is multiplied by gamma (code: milestones)")
+    gamma: float = Field(0.005, gt=0, description="stage-2 lr factor per milestone (code: lr_gamma)")
+    freeze_encoder: bool = Field(
+        True, description="stage 2 trains the head only (code: is_frozen_params); false: the whole model")
+    pgd_norm: float | None = Field(
+        5.0, gt=0,
+        description="after every step and after scaling, project onto this L2 ball around the global model "
+                    "(code: s_norm with diff_privacy); null: unbounded")
+    scale: Scale = Field(
+        1.0,
+        description='factor on the finished update before the last projection (code: scale_weights); '
+                    '"auto" = round examples / own examples')
+
+    @field_validator("poison", mode="before")
+    @classmethod
+    def _poison_from_registry(cls, value: Any) -> BaseModel:
+        return parse_poison(value)
+
+    @field_validator("contrastive_milestones", "milestones")
+    @classmethod
+    def _positive_epochs(cls, value: list[int], info) -> list[int]:
+        if any(m < 1 for m in value):
+            raise ValueError(f"attack.{info.field_name} are epochs counted from 1, got {value}")
+        return value
+
+    @field_serializer("poison")
+    def _poison_out(self, spec: BaseModel, info) -> dict:
+        return spec.model_dump(mode=info.mode, exclude=set(NOT_NESTED))
+
+
+@ATTACKS.register("chameleon", ChameleonParams)
+class Chameleon(ClientAttack):
+    """Chameleon: a nested attack's poisoned data planted by a contrastive encoder stage, then the head (durable backdoor)."""
+
+    def __init__(self, params: ChameleonParams) -> None:
+        super().__init__(params)
+        self.inner = ATTACKS.get(params.poison.name).obj(params.poison)
+
+    def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.training_set(runtime, partition_id)
+
+    def backdoor_test_set(self, runtime, shared: dict[str, np.ndarray] | None = None):
+        test = self.inner.backdoor_test_set(runtime) if shared is None else self.inner.backdoor_test_set(runtime, shared)
+        single_target(test, self.params.poison.name)  # refused before any round (preflight builds this set)
+        return test
+
+    def target_class(self, runtime) -> int:
+        """The label the nested attack gives its backdoor inputs (the facilitators' class)."""
+        key = ("chameleon_target", self.params.poison.model_dump_json())
+        if key not in runtime.cache:
+            runtime.cache[key] = single_target(self.inner.backdoor_test_set(runtime), self.params.poison.name)
+        return runtime.cache[key]
+
+    def honest_extra_data(self, runtime, partition_id: int):
+        return self.inner.honest_extra_data(runtime, partition_id)
+
+    def shared_state(self, job: AttackerRound):
+        return self.inner.shared_state(job)
+
+    def report(self, runtime) -> dict:
+        return {**self.inner.report(runtime), "poison": self.params.poison.name, "target_class": self.target_class(runtime)}
+
+    def local_train(self, job: AttackerRound) -> tuple[int, dict, dict]:
+        p = self.params
+        x, y = self.training_set(job.runtime, job.partition_id)
+        info = {"num_examples": len(x), **job.config}
+        if not len(x):
+            return 0, {"loss": 0.0}, info
+        encoder, _ = split_parameters(job.model)
+        if not encoder:
+            raise ValueError("chameleon trains the layers below the model's head, and this model has none "
+                             "(model.hidden: [] ?): give the model a hidden layer")
+        project = None
+        if p.pgd_norm is not None:
+            project = lambda b, last: project_l2(job.model, job.global_vec, job.layout, p.pgd_norm)  # noqa: E731
+        stats: dict = {}
+        if p.contrastive_epochs:
+            target = self.target_class(job.runtime)
+            seed = derive_seed(job.seed, CONTRASTIVE)
+            first = contrastive_stage(job.model, x, y, target, p, job.train.batch_size, seed, project)
+            stats = {"contrastive_loss": first["loss"], "contrastive_steps": first["steps"]}
+        second = head_stage(job.model, x, y, job.train, p.milestones, p.gamma, p.freeze_encoder, job.seed, project)
+        return len(x), {**second, **stats}, info
+
+    def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:
+        delta = delta * update_scale(self.params.scale, info)
+        bound = self.params.pgd_norm
+        if bound is not None:
+            norm = torch.linalg.vector_norm(delta)
+            if norm > bound:
+                delta = delta * (bound / norm)
+        return delta
+
+
+def single_target(test: tuple[np.ndarray, np.ndarray] | None, name: str) -> int:
+    """The one label of a backdoor test set, or a clear refusal (Chameleon needs one target class)."""
+    labels = np.unique(test[1]) if test is not None else np.array([])
+    if len(labels) != 1:
+        raise ValueError(f"chameleon needs a targeted backdoor (one target class), but attack.poison={name} "
+                         f"labels its backdoor inputs {labels.tolist()}: choose a targeted poison "
+                         "(trigger, edge_case, label_flip with mode: targeted, ...)")
+    return int(labels[0])
