@@ -5,5 +5,12 @@ from fedsim.attacks import edge_case  # noqa: F401  (registers)
 from fedsim.attacks import byzantine  # noqa: F401  (registers)
 from fedsim.attacks import trigger  # noqa: F401  (registers)
 from fedsim.attacks import label_flip  # noqa: F401  (registers)
+from fedsim.attacks import iba  # noqa: F401  (registers)
+from fedsim.attacks import chameleon  # noqa: F401  (registers)
+from fedsim.attacks import fang  # noqa: F401  (registers)
+from fedsim.attacks import mimic  # noqa: F401  (registers)
+from fedsim.attacks import blended  # noqa: F401  (registers)
+from fedsim.attacks import neurotoxin  # noqa: F401  (registers)
+from fedsim.attacks import a3fl  # noqa: F401  (registers)
 
 __all__ = ["AttackParams", "ClientAttack", "ServerAttack"]
