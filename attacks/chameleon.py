@@ -53,27 +53,27 @@ the closest to fedsim's digit sets; the CIFAR-10 configurations' values are in t
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field, SerializeAsAny, field_serializer, field_validator
+from pydantic import Field, field_validator
 from torch import nn
 
 from fedsim.attacks.base import AttackerRound, AttackParams, ClientAttack
 from fedsim.attacks.edge_case import project_l2
+from fedsim.attacks.nested import NestedPoison
 from fedsim.attacks.trigger import Scale, update_scale
 from fedsim.models.nets import features, head
 from fedsim.registry import ATTACKS
 from fedsim.seeding import derive_seed
 from fedsim.training import SGD
 
-DEFAULT_POISON = "trigger"
 CONTRASTIVE = 0xC4A3  # seed purpose of the contrastive stage (stage 2 uses the round's own seed)
-# who attacks and when, and the stage-2 epochs / lr, are Chameleon's own settings, never the nested attack's
-NOT_NESTED = ("num_attackers", "attacker_ids", "schedule", "local_epochs", "lr")
+# the nested attack (fedsim.attacks.nested, shared with neurotoxin): data only; who attacks and when,
+# and the stage-2 epochs / lr, are Chameleon's own settings
+POISON = NestedPoison("chameleon", instead="attack.pgd_norm and attack.scale to bound and scale the update")
+PoisonSpec = POISON.annotation()
 
 
 # --------------------------------------------------------------------------- the loss
@@ -188,64 +188,10 @@ def head_stage(
             q.requires_grad_(True)
 
 
-# --------------------------------------------------------------------------- the nested attack
-def poison_attack_names() -> list[str]:
-    """The attacks whose poisoned data Chameleon may train on: client-side attacks with a fixed
-    poisoned set (not itself, not one that trains with its own objective in its `local_train`)."""
-    def supplies_data(name: str) -> bool:
-        obj = ATTACKS.get(name).obj
-        return name != "chameleon" and obj.side == "client" and obj.local_train is ClientAttack.local_train
-
-    return [n for n in ATTACKS.names() if supplies_data(n)]
-
-
-@functools.lru_cache(maxsize=None)
-def poison_spec_model(name: str) -> type[BaseModel]:
-    """The YAML model of one nested attack, built once per name (pydantic model creation is slow)."""
-    return ATTACKS.get(name).spec_model()
-
-
-def parse_poison(value: Any) -> BaseModel:
-    """`attack.poison` validated against the registry: a client-side attack's spec (`name` plus
-    its parameters; a bare name is shorthand) that only poisons data."""
-    if isinstance(value, BaseModel):
-        name = getattr(value, "name", None) or next(
-            (e.name for e in ATTACKS.entries() if e.params is type(value)), None)
-        value = {**value.model_dump(exclude_unset=True), "name": name}
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"attack.poison must be an attack name or a mapping with `name`, got {value!r}")
-    name = value.get("name", DEFAULT_POISON)
-    allowed = poison_attack_names()
-    if name == "chameleon":
-        raise ValueError("attack.poison cannot be chameleon itself: nest the attack whose poisoned data "
-                         f"chameleon trains on; allowed: {', '.join(allowed)}")
-    if name in ATTACKS and ATTACKS.get(name).obj.side != "client":
-        raise ValueError(f"attack.poison={name} is a server-side attack (it crafts updates on the server, "
-                         f"it has no poisoned data to train on); allowed: {', '.join(allowed)}")
-    if name in ATTACKS and name not in allowed:
-        raise ValueError(f"attack.poison={name} trains with its own objective (its own local training), not on a "
-                         f"fixed poisoned set chameleon could reuse; allowed: {', '.join(allowed)}")
-    if name not in allowed:
-        raise ValueError(f"unknown attack.poison {name!r}; allowed: {', '.join(allowed)}")
-    given = [k for k in NOT_NESTED if k in value]
-    if given:
-        raise ValueError(f"attack.poison.{given[0]} is chameleon's own setting (who attacks, when, and the head stage's "
-                         f"epochs and lr): set attack.{given[0]} instead")
-    spec = poison_spec_model(name).model_validate({**value, "name": name})
-    if not ATTACKS.get(name).obj(spec).poisons_data_only():
-        raise ValueError(
-            f"attack.poison={name} with these settings has its own training hook or update transform (a scale "
-            "other than 1, an edge_case mode other than blackbox, ...); chameleon trains and shapes the update "
-            "itself (attack.pgd_norm, attack.scale): give the nested attack data-poisoning settings only")
-    return spec
-
-
 # --------------------------------------------------------------------------- parameters
 class ChameleonParams(AttackParams):
-    poison: SerializeAsAny[BaseModel] = Field(
-        default_factory=lambda: parse_poison(DEFAULT_POISON),
+    poison: PoisonSpec = Field(
+        default_factory=POISON.default_spec,
         description="the client-side attack whose poisoned data and backdoor test set chameleon uses: "
                     "{name: trigger | edge_case | ..., <its params>}, data poisoning only",
     )
@@ -290,21 +236,12 @@ class ChameleonParams(AttackParams):
         description='factor on the finished update before the last projection (code: scale_weights); '
                     '"auto" = round examples / own examples')
 
-    @field_validator("poison", mode="before")
-    @classmethod
-    def _poison_from_registry(cls, value: Any) -> BaseModel:
-        return parse_poison(value)
-
     @field_validator("contrastive_milestones", "milestones")
     @classmethod
     def _positive_epochs(cls, value: list[int], info) -> list[int]:
         if any(m < 1 for m in value):
             raise ValueError(f"attack.{info.field_name} are epochs counted from 1, got {value}")
         return value
-
-    @field_serializer("poison")
-    def _poison_out(self, spec: BaseModel, info) -> dict:
-        return spec.model_dump(mode=info.mode, exclude=set(NOT_NESTED))
 
 
 @ATTACKS.register("chameleon", ChameleonParams)
@@ -313,13 +250,13 @@ class Chameleon(ClientAttack):
 
     def __init__(self, params: ChameleonParams) -> None:
         super().__init__(params)
-        self.inner = ATTACKS.get(params.poison.name).obj(params.poison)
+        self.poison = ATTACKS.get(params.poison.name).obj(params.poison)
 
     def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.inner.training_set(runtime, partition_id)
+        return self.poison.training_set(runtime, partition_id)
 
     def backdoor_test_set(self, runtime, shared: dict[str, np.ndarray] | None = None):
-        test = self.inner.backdoor_test_set(runtime) if shared is None else self.inner.backdoor_test_set(runtime, shared)
+        test = self.poison.backdoor_test_set(runtime) if shared is None else self.poison.backdoor_test_set(runtime, shared)
         single_target(test, self.params.poison.name)  # refused before any round (preflight builds this set)
         return test
 
@@ -327,17 +264,20 @@ class Chameleon(ClientAttack):
         """The label the nested attack gives its backdoor inputs (the facilitators' class)."""
         key = ("chameleon_target", self.params.poison.model_dump_json())
         if key not in runtime.cache:
-            runtime.cache[key] = single_target(self.inner.backdoor_test_set(runtime), self.params.poison.name)
+            runtime.cache[key] = single_target(self.poison.backdoor_test_set(runtime), self.params.poison.name)
         return runtime.cache[key]
 
     def honest_extra_data(self, runtime, partition_id: int):
-        return self.inner.honest_extra_data(runtime, partition_id)
+        return self.poison.honest_extra_data(runtime, partition_id)
+
+    def source_class(self) -> int | None:
+        return self.poison.source_class()
 
     def shared_state(self, job: AttackerRound):
-        return self.inner.shared_state(job)
+        return self.poison.shared_state(job)
 
     def report(self, runtime) -> dict:
-        return {**self.inner.report(runtime), "poison": self.params.poison.name, "target_class": self.target_class(runtime)}
+        return {**self.poison.report(runtime), "poison": self.params.poison.name, "target_class": self.target_class(runtime)}
 
     def local_train(self, job: AttackerRound) -> tuple[int, dict, dict]:
         p = self.params

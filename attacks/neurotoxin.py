@@ -34,95 +34,31 @@ outside the mask still shrink, as in the official code; momentum only carries ma
 Neurotoxin takes its poisoned training set and backdoor test set from another client attack,
 `poison` (trigger, dba, blended, edge_case, label_flip...), which then only supplies data: who
 attacks, when and how (epochs, lr) come from neurotoxin's own fields, and a poison that would
-transform the update (`scale`, a PGD `mode`) is refused rather than silently ignored.
+transform the update (`scale`, a PGD `mode`) is refused rather than silently ignored
+(`fedsim.attacks.nested`, shared with chameleon).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, BeforeValidator, Field, SerializeAsAny
+from pydantic import Field
 
 from fedsim.attacks.base import AttackerRound, AttackParams, ClientAttack
 from fedsim.attacks.edge_case import project_l2
+from fedsim.attacks.nested import NestedPoison
 from fedsim.registry import ATTACKS
 
-DEFAULT_POISON = "trigger"
 MEMORY_KEY = "previous_global"  # the global model of this attacker's last attack round (mask_source: global_update)
-# fields of a nested poison that neurotoxin decides itself: who attacks, when, and how it trains
-OUTER_FIELDS = ("num_attackers", "attacker_ids", "schedule", "local_epochs", "lr")
 
 
-# --------------------------------------------------------------------------- the nested poison
-@functools.lru_cache(maxsize=None)
-def poison_spec_model(name: str):
-    """The YAML model of one nested attack, built once per name (pydantic model creation is slow)."""
-    return ATTACKS.get(name).spec_model()
-
-
-def poison_names() -> list[str]:
-    """Registered client-side attacks that can supply neurotoxin's data: not neurotoxin itself, nor
-    an attack that trains with its own objective (its `local_train`, e.g. a trigger optimised in training)."""
-    def supplies_data(name: str) -> bool:
-        obj = ATTACKS.get(name).obj
-        return name != "neurotoxin" and obj.side == "client" and obj.local_train is ClientAttack.local_train
-
-    return [n for n in ATTACKS.names() if supplies_data(n)]
-
-
-def parse_poison(value: Any) -> BaseModel:
-    """The nested attack spec validated against the registry like any attack: `name` plus that
-    attack's parameters; a bare name is shorthand for `{name: ...}`, no `name` means trigger."""
-    if isinstance(value, BaseModel):  # a spec model, or an attack's bare parameter model
-        name = getattr(value, "name", None) or next((e.name for e in ATTACKS.entries() if e.params is type(value)), None)
-        value = {**value.model_dump(), "name": name}
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"poison must be an attack name or a mapping with `name`, got {value!r}")
-    name = value.get("name", DEFAULT_POISON)
-    allowed = poison_names()
-    if name not in allowed:
-        if name == "neurotoxin":
-            why = "neurotoxin cannot nest itself"
-        elif name in ATTACKS and ATTACKS.get(name).obj.side != "client":
-            why = f"{name} is a server-side attack (it crafts updates on the server and has no poisoned data)"
-        elif name in ATTACKS:
-            why = f"{name} trains with its own objective, not on a fixed poisoned set neurotoxin could reuse"
-        else:
-            why = f"unknown attack {name!r}"
-        raise ValueError(f"{why}; poison takes a client-side attack: {', '.join(allowed)}")
-    spec = poison_spec_model(name).model_validate({**value, "name": name})
-    check_data_only(spec)
-    return spec
-
-
-def check_data_only(spec: BaseModel) -> None:
-    """Refuse settings of the nested attack that neurotoxin would ignore (it uses its data only)."""
-    fields = type(spec).model_fields
-    ignored = [f for f in OUTER_FIELDS
-               if f in fields and getattr(spec, f) != fields[f].get_default(call_default_factory=True)]
-    if ignored:
-        raise ValueError(
-            f"poison.{', poison.'.join(ignored)}: neurotoxin decides who attacks, when and how it trains; "
-            f"set {', '.join(ignored)} on the attack itself, not on its poison"
-        )
-    if not ATTACKS.get(spec.name).obj(spec).poisons_data_only():
-        hints = [f"{f}={getattr(spec, f)!r}" for f, plain in (("scale", 1.0), ("mode", "blackbox"))
-                 if f in fields and getattr(spec, f) != plain]
-        what = f" ({', '.join(hints)})" if hints else ""
-        raise ValueError(
-            f"poison {spec.name}{what} changes the training or the update, which neurotoxin replaces with its "
-            f"own masked training: give it scale: 1 / mode: blackbox and use neurotoxin's pgd_eps for a norm bound"
-        )
-
-
-PoisonSpec = Annotated[SerializeAsAny[BaseModel], BeforeValidator(parse_poison)]
+# the nested poison: its spec, validation and dump are fedsim.attacks.nested's, shared with chameleon
+POISON = NestedPoison("neurotoxin", instead="attack.pgd_eps for a norm bound")
+PoisonSpec = POISON.annotation()
 
 
 # --------------------------------------------------------------------------- the mask
@@ -168,7 +104,7 @@ def update_magnitude(model: torch.nn.Module, global_vec: torch.Tensor, previous:
 # --------------------------------------------------------------------------- the attack
 class NeurotoxinParams(AttackParams):
     poison: PoisonSpec = Field(
-        default_factory=lambda: parse_poison(DEFAULT_POISON),
+        default_factory=POISON.default_spec,
         description="client attack whose poisoned data and backdoor test set are used: {name: <attack>, <its params>}",
     )
     mask_ratio: float = Field(

@@ -11,13 +11,16 @@ import math
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from fedsim.attacks.base import AttackerRound, ClientAttack, attacker_train_config
 from fedsim.attacks.chameleon import (
     CONTRASTIVE, Chameleon, ChameleonParams, contrastive_stage, epoch_lrs, split_parameters, supcon_loss,
 )
+from fedsim.attacks.nested import OUTER_FIELDS
 from fedsim.attacks.trigger import TriggerParams
+from fedsim.cli import main
 from fedsim.client.app import local_update, make_client_app
 from fedsim.engine.local_grid import LocalGrid
 from fedsim.lowrank.layers import build_factorized
@@ -26,7 +29,7 @@ from fedsim.registry import ATTACKS
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.runtime import Runtime
-from fedsim.scenario import ScenarioError, scenario_dict, validate_scenario
+from fedsim.scenario import ScenarioError, load_scenario, scenario_dict, validate_scenario
 from fedsim.seeding import derive_seed
 from fedsim.server.app import run_server
 from fedsim.training import TrainConfig
@@ -189,7 +192,7 @@ def test_contrastive_stage_pulls_poisoned_embeddings_to_the_target_class():
     # ReLU embedding collapses onto one direction within an epoch
     rt = Runtime(scenario(chameleon(contrastive_epochs=5, contrastive_lr=0.01)))
     x, y = rt.attack.training_set(rt, ATTACKER)
-    poisoned = rt.attack.inner.poisoned_rows(rt, ATTACKER)
+    poisoned = rt.attack.poison.poisoned_rows(rt, ATTACKER)
     clean = np.setdiff1d(np.arange(len(y)), poisoned)
     target_rows, other_rows = clean[y[clean] == 9], clean[y[clean] != 9]
     assert len(poisoned) and len(target_rows) and len(other_rows)
@@ -268,6 +271,37 @@ def test_nested_spec_defaults_and_round_trip():
     assert validate_scenario(dumped) == sc
     own = {k: f for k, f in ChameleonParams.model_fields.items() if k not in ("num_attackers", "attacker_ids", "schedule")}
     assert all(f.description for f in own.values())
+
+
+def test_poison_fields_of_chameleon_itself_are_accepted_at_their_default():
+    # a resolved scenario written with them (at the poison's defaults) loads; any other value is refused above
+    sc = validate_scenario({"attack": {"name": "chameleon", "poison": TRIGGER}})
+    full = {**sc.attack.poison.model_dump(mode="json"), "num_attackers": 1, "attacker_ids": None,
+            "schedule": {"name": "fixed_frequency", "every": 10}, "local_epochs": None, "lr": None}
+    assert validate_scenario({"attack": {"name": "chameleon", "poison": full}}) == sc
+
+
+def test_fedsim_validate_output_loads_back_unchanged(tmp_path, capsys):
+    raw = {"name": "cham", "data": {"dataset": "digits"}, "model": {"name": "mlp", "hidden": [32]},
+           "federation": {"num_clients": 4, "clients_per_round": 2, "rounds": 2},
+           "attack": chameleon(attacker_ids=[ATTACKER], schedule={"name": "every_round"}, local_epochs=2, lr=0.05)}
+    given = tmp_path / "given.yaml"
+    given.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(given)]) == 0
+    printed = capsys.readouterr().out
+    dumped = yaml.safe_load(printed)["attack"]["poison"]
+    assert dumped["name"] == "trigger" and not set(OUTER_FIELDS) & set(dumped)
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(printed)
+    assert load_scenario(resolved) == load_scenario(given)
+
+
+def test_source_class_is_the_nested_edge_sets():
+    # the server reports the global model's clean accuracy on this class beside the backdoor's success
+    edge = {**EDGE, "edge_set": {**SMALL_TAIL, "source_class": 3, "target_class": 8}}
+    rt = Runtime(scenario({"name": "chameleon", "poison": edge}))
+    assert rt.attack.source_class() == 3 == rt.attack.poison.source_class()
+    assert Runtime(scenario(chameleon())).attack.source_class() is None  # a trigger turns every class
 
 
 def test_untargeted_poison_is_refused_before_any_round():

@@ -7,18 +7,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from fedsim.attacks.base import AttackerRound, attacker_train_config
 from fedsim.attacks.blended import blend
+from fedsim.attacks.nested import OUTER_FIELDS
 from fedsim.attacks.neurotoxin import MEMORY_KEY, bottom_k, bottom_k_masks
 from fedsim.attacks.trigger import choose_poisoned
+from fedsim.cli import main
 from fedsim.client.app import local_update, make_client_app
 from fedsim.data.base import DataFileError
 from fedsim.engine.local_grid import LocalGrid
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.runtime import Runtime
-from fedsim.scenario import ScenarioError, validate_scenario
+from fedsim.scenario import ScenarioError, load_scenario, validate_scenario
 from fedsim.server.app import run_server
 from fedsim.training import TrainConfig
 
@@ -252,14 +255,15 @@ def test_the_poison_supplies_data_and_test_set():
 @pytest.mark.parametrize(
     "poison,needle",
     [
-        ("neurotoxin", "neurotoxin cannot nest itself"),
+        ("neurotoxin", "cannot be neurotoxin itself"),
         ({"name": "alie"}, "alie is a server-side attack"),
-        ("nosuch", "unknown attack 'nosuch'"),
+        ("nosuch", "unknown attack.poison 'nosuch'"),
         ({"name": "trigger", "scale": "auto"}, "scale='auto'"),
         ({"name": "dba"}, "scale='auto'"),  # DBA scales by default: neurotoxin would drop it
         ({"name": "edge_case", "mode": "pgd"}, "mode='pgd'"),
-        ({"name": "trigger", "num_attackers": 3}, "poison.num_attackers"),
-        ({"name": "trigger", "schedule": {"name": "every_round"}}, "poison.schedule"),
+        ({"name": "trigger", "num_attackers": 3}, "attack.poison.num_attackers is neurotoxin's own setting"),
+        ({"name": "trigger", "schedule": {"name": "every_round"}}, "attack.poison.schedule"),
+        ({"name": "trigger", "lr": 0.5, "local_epochs": 2}, "attack.poison.local_epochs, attack.poison.lr are"),
         ({"name": "trigger", "size": 0}, "size"),  # the nested spec is validated like any attack
         (3, "attack name or a mapping"),
     ],
@@ -279,6 +283,30 @@ def test_neurotoxin_spec_round_trips_through_its_dump():
     from fedsim.attacks.neurotoxin import NeurotoxinParams
 
     assert NeurotoxinParams(poison=BlendedParams(alpha_train=0.3)).poison.name == "blended"  # a bare parameter model
+
+
+def test_fedsim_validate_output_loads_back_unchanged(tmp_path, capsys):
+    raw = {"name": "nt", "data": {"dataset": "digits"}, "model": {"name": "mlp", "hidden": [16]},
+           "federation": {"num_clients": 6, "clients_per_round": 3, "rounds": 2},
+           "attack": {"name": "neurotoxin", "num_attackers": 2, "schedule": {"name": "every_round"}, "lr": 0.05,
+                      "poison": {"name": "trigger", "size": 2, "target_class": 3}}}
+    given = tmp_path / "given.yaml"
+    given.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(given)]) == 0
+    printed = capsys.readouterr().out
+    dumped = yaml.safe_load(printed)["attack"]["poison"]
+    assert dumped["name"] == "trigger" and not set(OUTER_FIELDS) & set(dumped)  # the poison's unused fields left out
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(printed)
+    assert load_scenario(resolved) == load_scenario(given)
+
+
+def test_poison_fields_of_the_attack_itself_are_accepted_at_their_default():
+    # a resolved scenario from before they were left out of the dump names them, at their defaults
+    spec = scenario({"name": "neurotoxin", "poison": {"name": "dba", "scale": 1}}).attack
+    full = {**spec.poison.model_dump(mode="json"), "num_attackers": 4, "attacker_ids": None,
+            "schedule": {"name": "fixed_frequency"}, "local_epochs": None, "lr": None}
+    assert scenario({"name": "neurotoxin", "poison": full}).attack == spec
 
 
 @pytest.mark.parametrize("field,value", [("mask_ratio", 0), ("mask_ratio", 1.5), ("pgd_eps", 0), ("mask_source", "x")])
