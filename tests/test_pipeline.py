@@ -110,3 +110,24 @@ def test_every_recorded_line_fits_the_schema(golden):
         rec = RoundRecord(line["round"])
         rec.update({k: v for k, v in line.items() if k != "round"})
         assert rec.to_json() == line
+
+
+def test_a_server_attack_reports_its_choice_and_the_crafted_norms():
+    """The round line gets what ALIE chose (z) and the norms of the updates it crafted, not of
+    the attackers' own trained updates."""
+    from fedsim.attacks.byzantine import ALIE, ALIEParams
+
+    scenario = load_scenario("scenarios/quickstart.yaml", ["attack={name: alie, z: 1.5, num_attackers: 2}"])
+    pipeline = RoundPipeline(scenario, ALIE(ALIEParams(z=1.5, num_attackers=2)))
+    g = torch.Generator().manual_seed(0)
+    updates = torch.randn(6, 20, generator=g)
+    batch = UpdateBatch(updates, torch.ones(6), (0, 1, 2, 3, 4, 5))
+    ctx = RoundContext(1, torch.zeros(20), None, torch.Generator().manual_seed(1))
+    out = pipeline.run(batch, {1, 4}, ctx)
+    honest = updates[[0, 2, 3, 5]].double()
+    crafted = honest.mean(0) + 1.5 * honest.std(0)
+    assert out.attack["z"] == 1.5
+    assert set(out.attack["norms"]) == {1, 4}
+    assert out.attack["norms"][1] == pytest.approx(float(crafted.norm()), rel=1e-5)
+    quiet = pipeline.run(batch, set(), ctx)
+    assert quiet.attack is None

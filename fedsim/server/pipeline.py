@@ -60,6 +60,7 @@ class RoundOutcome:
     weights: dict[int, float] | None = None  # client id -> weight at the rule's input
     defenses: dict[str, dict] = field(default_factory=dict)  # defense name -> its reports, before and after
     aggregator: dict | None = None  # a choosing rule's report, by client id
+    attack: dict | None = None  # what a server-side attack chose this round (γ, z, λ, ...) and its updates' norms
     skipped: str | None = None  # why there is no aggregate
 
 
@@ -88,7 +89,7 @@ class RoundPipeline:
         """Aggregate one round; a rule or defense that cannot (AggregationError) skips the round with its reason."""
         out = RoundOutcome()
         ctx = replace(ctx, previous_aggregate=self.previous_aggregate)
-        batch = self.server_attack(batch, strikers, ctx)
+        batch = self.server_attack(batch, strikers, ctx, out)
         try:
             for name, defense in self.defenses:
                 batch, info = defense.before(batch, ctx)
@@ -108,8 +109,10 @@ class RoundPipeline:
         self.previous_aggregate = aggregate
         return out
 
-    def server_attack(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext) -> UpdateBatch:
-        """The striking attackers' rows replaced by what a server-side (Byzantine) attack crafts from the honest rows."""
+    def server_attack(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
+                      out: RoundOutcome | None = None) -> UpdateBatch:
+        """The striking attackers' rows replaced by what a server-side (Byzantine) attack crafts from the
+        honest rows; `out.attack` gets what the attack chose and the crafted updates' norms, by client id."""
         if self.attack is None or not strikers:
             return batch
         bad = torch.tensor([pid in strikers for pid in batch.client_ids])
@@ -120,6 +123,10 @@ class RoundPipeline:
         if self.attack_takes_ids:  # an attack that follows clients across rounds (mimic)
             kwargs["honest_ids"] = tuple(pid for pid, b in zip(batch.client_ids, bad.tolist()) if not b)
         updates[bad] = self.attack.craft(batch.updates[~bad], int(bad.sum()), ctx, **kwargs)
+        if out is not None:
+            norms = torch.linalg.vector_norm(updates[bad], dim=1).tolist()
+            crafted = [pid for pid, b in zip(batch.client_ids, bad.tolist()) if b]
+            out.attack = {**getattr(self.attack, "last_log", {}), "norms": dict(zip(crafted, norms))}
         return batch.with_updates(updates)
 
     def aggregate(self, batch: UpdateBatch, groups: list[list[int]] | None, out: RoundOutcome,

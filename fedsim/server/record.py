@@ -13,7 +13,7 @@ Which fields a line has:
   reached the defenses and rule, `detection`, and, when it was aggregated (`skipped` is null),
   `aggregated`, `global_norm` and `model_params`;
 - with a certifying defense (CRFL), on its rounds, `certification`;
-- with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
+- with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
   DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields.
 """
 
@@ -46,7 +46,8 @@ class RoundRecord:
     defenses: dict | _Unset = UNSET  # defense name -> what it reported (removed, clipped, scores, ...)
     skipped: str | None | _Unset = UNSET  # why the round was not aggregated (the global model stays), or null
     train_loss: float | None | _Unset = UNSET  # mean reported training loss of the accepted uploads
-    attacker_update_norms: dict | _Unset = UNSET  # attacker -> L2 norm of its decoded update
+    attacker_update_norms: dict | _Unset = UNSET  # attacker -> L2 norm of its decoded update (as a server-side attack crafted it)
+    attack: dict | _Unset = UNSET  # a server-side attack's choices this round (γ, z, λ, mimicked client, ...)
     attacker_train_seconds: dict | _Unset = UNSET  # client-side attacker -> seconds of its local training (its cost)
     rounds_since_attack: int | None | _Unset = UNSET  # with an attack: rounds since the last round with an attacker
     #   (0 in an attack round, null before the first): the x axis of a durability curve

@@ -363,6 +363,10 @@ class ScenarioStrategy(Strategy):
         outcome = self.pipeline.run(batch, strikers, ctx, record.groups or None)
         record.pipeline_seconds = time.perf_counter() - t_pipeline
         record.defenses = outcome.defenses
+        if outcome.attack is not None:  # the attackers' norms are those of the updates the attack crafted
+            crafted = outcome.attack.pop("norms")
+            record.attacker_update_norms = {**record.attacker_update_norms, **crafted}
+            record.attack = outcome.attack
         if outcome.aggregator is not None:
             record.aggregator = outcome.aggregator
         record.detection = round_detection(list(batch.client_ids), strikers, outcome.aggregated, outcome.aggregator,
