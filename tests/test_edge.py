@@ -1,4 +1,5 @@
-"""Edge-case sets: the tail set really lies in the low-density tail; ARDIS 7s from the real files."""
+"""Edge-case sets: the named tail transforms really reach the low-density tail on digits; ARDIS 7s from
+the real files. The `auto` ladder and the tail target: tests/test_tail_construction.py."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def test_tail_set_is_in_the_low_density_tail(digits, transform):
     # most edge inputs are less likely than 95% of the clean training images
     assert edge.density["median_percentile"] < 5.0
     assert edge.density["share_below_train_p5"] > 0.5
+    assert edge.density["transform"] == transform and edge.density["target_met"]  # the default target, reported
 
 
 def test_untransformed_source_class_is_not_in_the_tail(digits):
@@ -31,7 +33,7 @@ def test_untransformed_source_class_is_not_in_the_tail(digits):
 
 
 def test_rotation_angles_within_range(digits):
-    spec = TailEdge(angle_range=(30, 90))
+    spec = TailEdge(transform="rotate", angle_range=(30, 90))
     a = build_tail(digits, spec, seed=1)
     b = build_tail(digits, spec, seed=1)
     np.testing.assert_array_equal(a.x_train, b.x_train)  # seeded
