@@ -67,7 +67,7 @@ from fedsim.attacks.trigger import Scale, update_scale
 from fedsim.models.nets import features, head
 from fedsim.registry import ATTACKS
 from fedsim.seeding import derive_seed
-from fedsim.training import SGD
+from fedsim.training import sgd_epochs
 
 CONTRASTIVE = 0xC4A3  # seed purpose of the contrastive stage (stage 2 uses the round's own seed)
 # the nested attack (fedsim.attacks.nested, shared with neurotoxin): data only; who attacks and when,
@@ -103,44 +103,6 @@ def supcon_loss(
 def epoch_lrs(lr: float, epochs: int, milestones: list[int], gamma: float) -> list[float]:
     """The lr of each epoch under the code's `MultiStepLR`, stepped at the start of every epoch."""
     return [lr * gamma ** sum(m <= e for m in milestones) for e in range(1, epochs + 1)]
-
-
-def sgd_epochs(
-    model: nn.Module, params: list[torch.Tensor], x: np.ndarray, y: np.ndarray, batch_size: int, lrs: list[float],
-    momentum: float, weight_decay: float, seed: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    after_step: Callable[[int, bool], None] | None = None, max_steps: int | None = None,
-) -> dict:
-    """SGD on `params` over shuffled batches of (x, y), one epoch per entry of `lrs`: the batching,
-    seeding and step order of `fedsim.training.train` (bit for bit with it for cross-entropy, a
-    flat lr and all parameters), with an lr per epoch and any loss."""
-    torch.manual_seed(seed)  # dropout masks
-    gen = torch.Generator().manual_seed(seed)
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    opt = SGD(params, lr=lrs[0] if lrs else 0.0, momentum=momentum, weight_decay=weight_decay)
-    model.train()
-    steps, last_loss, n = 0, float("nan"), len(xt)
-    num_batches = (n + batch_size - 1) // batch_size
-    for lr in lrs:
-        if max_steps is not None and steps >= max_steps:
-            break
-        opt.lr = lr
-        order = torch.randperm(n, generator=gen)
-        total, count = 0.0, 0
-        for b in range(num_batches):
-            idx = order[b * batch_size : (b + 1) * batch_size]
-            if max_steps is not None and steps >= max_steps:
-                break
-            opt.zero_grad()
-            loss = loss_fn(xt[idx], yt[idx])
-            loss.backward()
-            opt.step()
-            steps += 1
-            if after_step is not None:
-                after_step(b, b == num_batches - 1)
-            total += loss.item() * len(idx)
-            count += len(idx)
-        last_loss = total / max(count, 1)
-    return {"loss": last_loss, "steps": steps}
 
 
 def split_parameters(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

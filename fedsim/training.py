@@ -62,33 +62,53 @@ def train(
     seed: int,
     after_step: Callable[[int, bool], None] | None = None,
 ) -> dict:
-    """Plain SGD epochs over (x, y); deterministic for a given seed on one thread.
+    """Plain SGD epochs over (x, y) on cross-entropy (plus FedProx's term); deterministic for a
+    given seed on one thread.
 
     `after_step(batch_index, last_of_epoch)` runs after each optimizer step (PGD projection uses it).
-    Returns the mean training loss of the last epoch and the number of steps.
+    Returns the mean training loss (cross-entropy) of the last epoch and the number of steps.
     """
+    anchor = [p.detach().clone() for p in model.parameters()] if cfg.proximal_mu > 0 else None
+
+    def loss_fn(xb: torch.Tensor, yb: torch.Tensor):
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        if anchor is None:
+            return loss
+        return loss + 0.5 * cfg.proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor)), loss
+
+    return sgd_epochs(model, list(model.parameters()), x, y, cfg.batch_size, [cfg.lr] * cfg.epochs, cfg.momentum,
+                      cfg.weight_decay, seed, loss_fn, after_step, cfg.max_steps)
+
+
+def sgd_epochs(
+    model: nn.Module, params: list[torch.Tensor], x: np.ndarray, y: np.ndarray, batch_size: int, lrs: list[float],
+    momentum: float, weight_decay: float, seed: int, loss_fn: Callable, after_step: Callable[[int, bool], None] | None = None,
+    max_steps: int | None = None,
+) -> dict:
+    """SGD on `params` over shuffled batches of (x, y), one epoch per entry of `lrs` (the lr of
+    that epoch), on any loss: `loss_fn(xb, yb)` gives the objective, or (objective, the loss to
+    report). The one training loop: honest clients (`train`) and attackers with their own
+    objective (Chameleon's contrastive stage) share its seeding, batching and step order."""
     torch.manual_seed(seed)  # dropout masks
     gen = torch.Generator().manual_seed(seed)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    opt = SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt = SGD(params, lr=lrs[0] if lrs else 0.0, momentum=momentum, weight_decay=weight_decay)
     model.train()
-    steps, last_loss = 0, float("nan")
-    n = len(xt)
-    anchor = [p.detach().clone() for p in model.parameters()] if cfg.proximal_mu > 0 else None
-    for _ in range(cfg.epochs):
-        if cfg.max_steps is not None and steps >= cfg.max_steps:
+    steps, last_loss, n = 0, float("nan"), len(xt)
+    num_batches = (n + batch_size - 1) // batch_size
+    for lr in lrs:
+        if max_steps is not None and steps >= max_steps:
             break
+        opt.lr = lr
         order = torch.randperm(n, generator=gen)
         total, count = 0.0, 0
-        num_batches = (n + cfg.batch_size - 1) // cfg.batch_size
         for b in range(num_batches):
-            idx = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
-            if cfg.max_steps is not None and steps >= cfg.max_steps:
+            idx = order[b * batch_size : (b + 1) * batch_size]
+            if max_steps is not None and steps >= max_steps:
                 break
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(xt[idx]), yt[idx])
-            objective = loss if anchor is None else loss + 0.5 * cfg.proximal_mu * sum(
-                ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+            out = loss_fn(xt[idx], yt[idx])
+            objective, loss = out if isinstance(out, tuple) else (out, out)
             objective.backward()
             opt.step()
             steps += 1
