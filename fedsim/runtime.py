@@ -156,10 +156,19 @@ class Runtime:
 
 
 def versions() -> list[str]:
-    """Library versions a cached result depends on (a new partitioner version may split differently)."""
-    from importlib.metadata import version  # reads package metadata: imports nothing heavy
+    """Library versions a cached result depends on (a new partitioner version may split differently).
 
-    return [version("fedsim"), version("flwr-datasets"), version("scikit-learn"), version("numpy")]
+    A package without installed metadata counts as "unknown" instead of failing: a device may run
+    fedsim from a copied folder, or without scikit-learn (issue #21: every train failed there)."""
+    from importlib.metadata import PackageNotFoundError, version  # reads package metadata: imports nothing heavy
+
+    def known(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "unknown"
+
+    return [known(p) for p in ("fedsim", "flwr-datasets", "scikit-learn", "numpy")]
 
 
 def scenario_key(scenario) -> str:

@@ -67,3 +67,22 @@ def test_large_arrays_come_back_memory_mapped_read_only(tmp_path, monkeypatch):
         assert xc.flags.writeable
         model = mapped.build_model()
         assert CentralEvaluator(mapped)(model) == CentralEvaluator(Runtime(scenario))(model)
+
+
+def test_a_package_without_metadata_does_not_stop_the_cache_key(monkeypatch):
+    """A device running fedsim from a copied folder has no `fedsim` metadata (issue #21): the
+    version in the cache key is then "unknown" instead of an error in every train."""
+    import importlib.metadata as metadata
+
+    from fedsim.runtime import versions
+
+    real = metadata.version
+
+    def without_fedsim(package):
+        if package == "fedsim":
+            raise metadata.PackageNotFoundError(package)
+        return real(package)
+
+    monkeypatch.setattr(metadata, "version", without_fedsim)
+    got = versions()
+    assert got[0] == "unknown" and got[3] == real("numpy")
