@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from pydantic import Field
 
 from fedsim.attacks.base import AttackParams, ServerAttack
-from fedsim.registry import ATTACKS
+from fedsim.registry import ATTACKS, Params
 from fedsim.updates import RoundContext
 
 
@@ -92,17 +92,94 @@ class SignFlip(_Byzantine):
         return _repeat(-float(self.params.scale) * mu, num_malicious, honest)
 
 
+class FactorSearch(Params):
+    """Best-effort search of the attack's factor (z, ε) against the configured rule (ByzFL's "optimal" variants).
+
+    Allouah et al. (2023) and the ByzFL library tune ALIE's z and IPM's ε per round by exploring a
+    line: the factor whose crafted updates move the rule's aggregate farthest from the honest mean.
+    `rule` = the scenario's own aggregation rule (with its parameters, groups and wrappers), run on
+    the honest rows plus the candidate malicious rows; defenses around the rule are not simulated.
+    """
+
+    evals: int = Field(16, ge=2, description="how many factors are tried (each runs the rule once)")
+    start: float = Field(0.0, ge=0, description="first factor tried")
+    delta: float = Field(1.0, gt=0, description="first step; doubled while the aggregate keeps moving away, then shrunk")
+    ratio: float = Field(0.8, gt=0.5, lt=1.0, description="step contraction per try after the first miss")
+
+
+def line_maximize(objective: Callable[[float], float], search: FactorSearch) -> tuple[float, float]:
+    """argmax of `objective` over factors >= 0 by exploration: expand (double the step while it improves),
+    then contract (step back and forth around the best, shrinking the step). Returns (factor, value)."""
+    budget, step = search.evals, search.delta
+    best_x, best_y = search.start, objective(search.start)
+    budget -= 1
+    x = best_x
+    while budget > 0:  # expansion
+        x = best_x + step
+        y = objective(x)
+        budget -= 1
+        if y > best_y:
+            best_x, best_y, step = x, y, step * 2
+        else:
+            step *= search.ratio
+            break
+    while budget > 0:  # contraction around the best factor seen
+        if x < best_x:
+            x += step
+        else:
+            nxt = x - step
+            while nxt < 0:  # factors stay non-negative: halve towards the current point
+                nxt = (nxt + x) / 2
+            x = nxt
+        y = objective(x)
+        budget -= 1
+        if y > best_y:
+            best_x, best_y = x, y
+        step *= search.ratio
+    return best_x, best_y
+
+
+def _search_factor(honest: torch.Tensor, num_malicious: int, rule: Callable[[torch.Tensor], torch.Tensor] | None,
+                   search: FactorSearch | None, fixed: float, crafted: Callable[[float], torch.Tensor],
+                   log: dict, name: str) -> float:
+    """The fixed factor, or (with `search`) the one whose m copies of `crafted(factor)` push `rule`'s output
+    farthest from the honest mean; `log` gets the chosen factor's distance."""
+    if search is None:
+        return fixed
+    if rule is None:
+        raise ValueError(f"{name}: search needs the server's rule; it runs only in the round pipeline")
+    mu = honest.to(torch.float64).mean(dim=0)
+
+    def moved(factor: float) -> float:
+        agg = rule(_repeat(crafted(factor), num_malicious, honest))
+        return float(torch.linalg.vector_norm(agg.to(torch.float64) - mu))
+
+    factor, distance = line_maximize(moved, search)
+    log["distance_from_honest_mean"] = distance
+    return factor
+
+
 class IPMParams(AttackParams):
     epsilon: float = Field(0.1, gt=0, description="ε in -ε · mean(honest); small (0.1) beats median/Krum, large (100) beats the mean")
+    search: FactorSearch | None = Field(
+        None, description="tune ε each round against the configured rule (ByzFL's optimal IPM); None = the fixed ε")
 
 
-@ATTACKS.register("ipm", IPMParams)
+@ATTACKS.register("ipm", IPMParams, with_rule=True)
 class IPM(_Byzantine):
-    """Inner-product manipulation: every attacker sends -ε · mean(honest) (Xie et al. 2019, simulation only)."""
+    """Inner-product manipulation: every attacker sends -ε · mean(honest) (Xie et al. 2019, simulation only).
 
-    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
+    With `search`, ε adapts to the rule each round: the paper shows a small ε passes median and
+    Krum and a large one breaks the mean; the search finds the rule's own sweet spot."""
+
+    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext,
+              rule: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         mu = _need_honest(honest, "ipm").mean(dim=0)
-        return _repeat(-float(self.params.epsilon) * mu, num_malicious, honest)
+        self.last_log = {}
+        eps = _search_factor(honest, num_malicious, rule, self.params.search, float(self.params.epsilon),
+                             lambda e: -e * mu, self.last_log, "ipm")
+        self.last_log["epsilon"] = float(eps)
+        return _repeat(-eps * mu, num_malicious, honest)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,21 +202,31 @@ def alie_z_max(n: int, f: int) -> float:
 class ALIEParams(AttackParams):
     z: float | None = Field(None, description="deviation in honest stds; None = z_max from n = honest + malicious, f = malicious")
     unbiased: bool = Field(True, description="unbiased std (NDSS'21 code, torch.std) or population std (DETOX, np.std)")
+    search: FactorSearch | None = Field(
+        None, description="tune z each round against the configured rule (ByzFL's optimal ALIE); None = z or z_max")
 
 
-@ATTACKS.register("alie", ALIEParams)
+@ATTACKS.register("alie", ALIEParams, with_rule=True)
 class ALIE(_Byzantine):
     """A little is enough: every attacker sends μ + z·σ per coordinate (Baruch et al. 2019, simulation only).
 
     μ, σ are the per-coordinate mean and std of the honest updates. Default std is unbiased as in the
     NDSS'21 code; DETOX uses the population std over all received gradients and fixes z = 1.
+    z_max is the paper's rule-agnostic choice; with `search`, z is tuned against the configured rule.
     """
 
-    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
+    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext,
+              rule: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         x = _need_honest(honest, "alie")
-        z = self.params.z if self.params.z is not None else alie_z_max(x.shape[0] + num_malicious, num_malicious)
-        self.last_log = {"z": float(z)}
-        return _repeat(x.mean(dim=0) + z * _std(x, self.params.unbiased), num_malicious, honest)
+        mu, sigma = x.mean(dim=0), _std(x, self.params.unbiased)
+        self.last_log = {}
+        fixed = self.params.z
+        if fixed is None and self.params.search is None:
+            fixed = alie_z_max(x.shape[0] + num_malicious, num_malicious)
+        z = _search_factor(honest, num_malicious, rule, self.params.search, fixed if fixed is not None else 0.0,
+                           lambda f: mu + f * sigma, self.last_log, "alie")
+        self.last_log["z"] = float(z)
+        return _repeat(mu + z * sigma, num_malicious, honest)
 
 
 # --------------------------------------------------------------------------------------------------

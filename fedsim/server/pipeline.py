@@ -75,6 +75,7 @@ class RoundPipeline:
         entry = next((e for e in ATTACKS.entries() if e.obj is type(self.attack)), None) if self.attack is not None else None
         self.attack_takes_ids = bool(entry and entry.capability("with_client_ids", False))  # craft(..., honest_ids=)
         self.attack_stateful = bool(entry and entry.capability("stateful", False))  # state_dict / load_state_dict
+        self.attack_takes_rule = bool(entry and entry.capability("with_rule", False))  # craft(..., rule=) tunes itself
         if self.attack_stateful:  # its own instance, as the defenses: the runtime's may serve several runs of a process
             self.attack = type(self.attack)(self.attack.params)
         self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in scenario.defenses]
@@ -89,7 +90,7 @@ class RoundPipeline:
         """Aggregate one round; a rule or defense that cannot (AggregationError) skips the round with its reason."""
         out = RoundOutcome()
         ctx = replace(ctx, previous_aggregate=self.previous_aggregate)
-        batch = self.server_attack(batch, strikers, ctx, out)
+        batch = self.server_attack(batch, strikers, ctx, out, groups)
         try:
             for name, defense in self.defenses:
                 batch, info = defense.before(batch, ctx)
@@ -110,9 +111,11 @@ class RoundPipeline:
         return out
 
     def server_attack(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
-                      out: RoundOutcome | None = None) -> UpdateBatch:
+                      out: RoundOutcome | None = None, groups: list[list[int]] | None = None) -> UpdateBatch:
         """The striking attackers' rows replaced by what a server-side (Byzantine) attack crafts from the
-        honest rows; `out.attack` gets what the attack chose and the crafted updates' norms, by client id."""
+        honest rows; `out.attack` gets what the attack chose and the crafted updates' norms, by client id.
+        An attack declared `with_rule=True` may run this round's rule (same clients, weights and groups)
+        on candidate malicious rows to tune itself."""
         if self.attack is None or not strikers:
             return batch
         bad = torch.tensor([pid in strikers for pid in batch.client_ids])
@@ -122,6 +125,16 @@ class RoundPipeline:
         kwargs = {}
         if self.attack_takes_ids:  # an attack that follows clients across rounds (mimic)
             kwargs["honest_ids"] = tuple(pid for pid, b in zip(batch.client_ids, bad.tolist()) if not b)
+        if self.attack_takes_rule:
+            def rule(malicious: torch.Tensor) -> torch.Tensor:
+                trial = updates.clone()
+                trial[bad] = malicious
+                seeded = ctx.generator.get_state()  # a randomised rule (bucketing) sees the draws the real round will
+                try:
+                    return self.aggregate(batch.with_updates(trial), groups, RoundOutcome(), ctx)
+                finally:
+                    ctx.generator.set_state(seeded)
+            kwargs["rule"] = rule
         updates[bad] = self.attack.craft(batch.updates[~bad], int(bad.sum()), ctx, **kwargs)
         if out is not None:
             norms = torch.linalg.vector_norm(updates[bad], dim=1).tolist()
