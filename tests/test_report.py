@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from fedsim.cli import main
 from fedsim.runs.report import bytes_figure, curves_figure, default_out, find_runs, heatmap_figure, legend_below, run_labels
 
@@ -117,3 +119,50 @@ def test_report_figures_keep_long_legends_whole_and_runs_apart(tmp_path):
         looks = {look(h) for h in fig.legends[0].legend_handles}
         assert len(looks) == 14
         plt.close(fig)
+
+
+def seeded_run(folder: Path, seed: int, mode: str, final: float, lifecycle: dict | None = None) -> Path:
+    """A run of a sweep over `seed` and `attack.mode` whose final accuracy is `final`."""
+    folder.mkdir(parents=True)
+    lines = [{"round": r, "main_accuracy": final - 0.1 * (3 - r), "backdoor_success": 0.2 * r, "bytes_up": 10,
+              "wall_seconds": 0.1, "attackers": []} for r in (1, 2, 3)]
+    (folder / "rounds.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "summary.json").write_text(json.dumps({"name": folder.name, "backdoor_lifecycle": lifecycle}))
+    (folder / "sweep.json").write_text(json.dumps({"seed": seed, "attack.mode": mode}))
+    return folder
+
+
+def test_runs_differing_only_in_seed_are_one_row_with_mean_std_and_interval(tmp_path):
+    from statistics import mean, stdev
+
+    from fedsim.runs.report import seeds_table, write_report
+    from fedsim.runs.seeds import Spread
+
+    finals = {"pgd": [0.90, 0.92, 0.97], "blackbox": [0.80, 0.84]}
+    for mode, values in finals.items():
+        for seed, v in enumerate(values):
+            seeded_run(tmp_path / "sw" / f"seed={seed}__mode={mode}", seed, mode, v)
+    spread = Spread.of(finals["pgd"])
+    half = 4.302652729911275 * stdev(finals["pgd"]) / 3 ** 0.5  # t(0.975, 2 degrees of freedom), from tables
+    assert spread.mean == pytest.approx(mean(finals["pgd"])) and spread.std == pytest.approx(stdev(finals["pgd"]))
+    assert (spread.low, spread.high) == pytest.approx((spread.mean - half, spread.mean + half))
+    assert Spread.of(finals["blackbox"]).low is None  # two seeds: no interval
+    table = seeds_table(find_runs([tmp_path / "sw"]))
+    pgd_row = next(line for line in table.splitlines() if line.startswith("| pgd |"))
+    assert f"| 3 | {spread.percent()} |" in pgd_row and "[" in pgd_row
+    bb_row = next(line for line in table.splitlines() if line.startswith("| blackbox |"))
+    assert "| 2 | 82.0 ± 2.8 |" in bb_row
+    report = write_report([tmp_path / "sw"])
+    assert "## Over seeds" in report.read_text() and (report.parent / "curves_over_seeds.png").exists()
+
+
+def test_without_a_seed_axis_there_is_no_seed_table_and_lifecycle_columns_follow_the_summary(tmp_path):
+    from fedsim.runs.report import markdown_table, seeds_table
+
+    root = results(tmp_path)
+    assert seeds_table(find_runs([root])) is None
+    assert "lifespan" not in markdown_table(find_runs([root]))
+    lc = {"rounds_to_implant": 2, "lifespan": None, "half_life": None, "auc_after_attack": 0.75, "rounds_after": 15}
+    run = seeded_run(tmp_path / "bd", 1, "pgd", 0.9, lc)
+    row = markdown_table([run]).splitlines()[-1]
+    assert row.endswith("| 2 | ≥ 15 | - | 75.0 |")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from fedsim.runs.results import read_rounds
+from fedsim.runs.seeds import Spread, seed_groups, without_seed
 from fedsim.server.detection import run_detection
 
 
@@ -85,7 +86,22 @@ def run_row(run: Path, label: str | None = None) -> dict:
         "seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
         "pipeline_ms": _mean_ms([r["pipeline_seconds"] for r in rounds if r.get("pipeline_seconds") is not None]),
         **detection_columns(run_detection(rounds)),
+        **lifecycle_columns(run),
     }
+
+
+LIFECYCLE = ("rounds_to_implant", "lifespan", "half_life", "auc_after_attack")
+
+
+def lifecycle_columns(run: Path) -> dict:
+    """The backdoor lifecycle from the run's summary.json (fedsim/runs/lifecycle.py), when it has one."""
+    path = Path(run) / "summary.json"
+    try:
+        lc = json.loads(path.read_text()).get("backdoor_lifecycle") if path.exists() else None
+    except (json.JSONDecodeError, AttributeError):
+        lc = None
+    lc = lc if isinstance(lc, dict) else {}
+    return {"lifecycle": bool(lc), **{k: lc.get(k) for k in LIFECYCLE}, "rounds_after": lc.get("rounds_after")}
 
 
 def _last(rounds: list[dict], key: str):
@@ -116,22 +132,64 @@ def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> s
     """One row per run; runs of a sweep get a column per swept key."""
     labels = labels or {}
     keys = sorted({k for run in runs for k in swept_values(run)})
+    rows = {run: run_row(run, labels.get(run)) for run in runs}
+    lifecycle = any(r["lifecycle"] for r in rows.values())  # backdoor runs: the lifecycle columns too
     lines = [
         "| run | " + "".join(f"{k} | " for k in keys)
         + "rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % "
         "| final backdoor beyond clean % | final source-class acc % "
-        "| TPR % | FPR % | F1 % | false alarms, no attacker % | defenses + rule ms/round | MB up | s |",
-        "|---|" + "---|" * len(keys) + "---:|" * 15,
+        "| TPR % | FPR % | F1 % | false alarms, no attacker % | defenses + rule ms/round | MB up | s |"
+        + ("rounds to implant | lifespan | half-life | backdoor AUC after attack % |" if lifecycle else ""),
+        "|---|" + "---|" * len(keys) + "---:|" * (15 + 4 * lifecycle),
     ]
     for run in runs:
-        r, swept = run_row(run, labels.get(run)), swept_values(run)
+        r, swept = rows[run], swept_values(run)
         lines.append(
             f"| {r['run']} | " + "".join(f"{_short(swept.get(k, '-'))} | " for k in keys)
             + f"{r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
             f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {_pct(r['final_beyond_clean'])} "
             f"| {_pct(r['final_source_acc'])} | {_pct(r['tpr'])} | {_pct(r['fpr'])} "
             f"| {_pct(r['f1'])} | {_pct(r['false_alarms'])} | {_ms(r['pipeline_ms'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
+            + (f" {_rounds(r['rounds_to_implant'])} | {_survived(r)} | {_rounds(r['half_life'])} "
+               f"| {_pct(r['auc_after_attack'])} |" if lifecycle else "")
         )
+    return "\n".join(lines) + "\n"
+
+
+def _rounds(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def _survived(row: dict) -> str:
+    """Lifespan; '≥ k' when the backdoor was still above the threshold when the run ended k rounds later."""
+    if row["lifespan"] is not None:
+        return str(row["lifespan"])
+    implanted_to_the_end = row["rounds_to_implant"] is not None and row["rounds_after"] and row["half_life"] is None
+    return f"≥ {row['rounds_after']}" if implanted_to_the_end else "-"
+
+
+SEED_METRICS = (("final_acc", "final acc %"), ("best_acc", "best acc %"), ("final_backdoor", "final backdoor %"),
+                ("peak_backdoor", "peak backdoor %"), ("mean_backdoor", "mean backdoor %"),
+                ("auc_after_attack", "backdoor AUC after attack %"))
+
+
+def seeds_table(runs: list[Path]) -> str | None:
+    """One row per cell of a sweep with `seed: [...]`: each metric as mean ± std over its seeds, and
+    its 95% interval from three seeds on (None when no seed was swept)."""
+    swept = {run: swept_values(run) for run in runs}
+    groups = seed_groups(runs, swept)
+    if groups is None:
+        return None
+    keys = sorted({k for run in runs for k in without_seed(swept[run])})
+    rows = {run: run_row(run) for run in runs}
+    metrics = [(m, title) for m, title in SEED_METRICS if any(rows[r][m] is not None for r in runs)]
+    lines = ["| " + "".join(f"{k} | " for k in keys) + "seeds | " + "".join(f"{t} | " for _, t in metrics),
+             "|" + "---|" * len(keys) + "---:|" * (1 + len(metrics))]
+    for members in groups.values():
+        first = without_seed(swept[members[0]])
+        cells = [Spread.of([rows[r][m] for r in members if rows[r][m] is not None]) for m, _ in metrics]
+        lines.append("| " + "".join(f"{_short(first.get(k, '-'))} | " for k in keys) + f"{len(members)} | "
+                     + "".join(f"{c.percent() if c else '-'} | " for c in cells))
     return "\n".join(lines) + "\n"
 
 
@@ -253,6 +311,44 @@ def curves_figure(runs: list[Path], labels: dict[Path, str] | None = None):
     return fig
 
 
+def seed_curves_figure(runs: list[Path]):
+    """Accuracy and backdoor success per round as the mean over each cell's seeds with a ±1 std band
+    (None when no seed was swept)."""
+    swept = {run: swept_values(run) for run in runs}
+    groups = seed_groups(runs, swept)
+    if groups is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    import numpy as np
+
+    by_round = {run: {r["round"]: r for r in read_rounds(run)} for run in runs}
+    metrics = [("main_accuracy", "main-task accuracy")]
+    if any(r.get("backdoor_success") is not None for lines in by_round.values() for r in lines.values()):
+        metrics.append(("backdoor_success", "backdoor success rate"))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.2), squeeze=False)
+    handles, names = [], []
+    for i, members in enumerate(groups.values()):
+        style = run_style(i)
+        for ax, (key, title) in zip(axes[0], metrics):
+            rounds = sorted({t for m in members for t, r in by_round[m].items() if r.get(key) is not None})
+            values = [[by_round[m][t][key] for m in members if by_round[m].get(t, {}).get(key) is not None] for t in rounds]
+            mean = np.array([np.mean(v) for v in values])
+            std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
+            line, = ax.plot(rounds, mean, color=style["color"], linestyle=style["linestyle"])
+            ax.fill_between(rounds, mean - std, mean + std, color=style["color"], alpha=0.2, linewidth=0)
+            ax.set(xlabel="round", ylabel=title, title=f"{title}: mean ± std over seeds")
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        handles.append(line)
+        other = without_seed(swept[members[0]])
+        names.append((", ".join(_short(v) for v in other.values()) or "all") + f" ({len(members)} seeds)")
+    legend_below(fig, axes[0], handles, names)
+    return fig
+
+
 def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = None) -> list[Path]:
     import matplotlib.pyplot as plt
 
@@ -261,7 +357,13 @@ def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = No
     path = out / "curves.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [path]
+    paths = [path]
+    banded = seed_curves_figure(runs)
+    if banded is not None:
+        paths.append(out / "curves_over_seeds.png")
+        banded.savefig(paths[-1], dpi=110)
+        plt.close(banded)
+    return paths
 
 
 def bytes_figure(runs: list[Path], labels: dict[Path, str] | None = None):
@@ -309,6 +411,8 @@ def write_report(paths: list[Path], out: Path | None = None) -> Path:
     heat = plot_heatmap(runs, out)
     if heat is not None:
         plots.append(heat)
-    text = "# fedsim report\n\n" + markdown_table(runs, labels) + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in plots)
+    seeds = seeds_table(runs)
+    text = ("# fedsim report\n\n" + ("## Over seeds\n\n" + seeds + "\n## Runs\n\n" if seeds else "")
+            + markdown_table(runs, labels) + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in plots))
     (out / "report.md").write_text(text)
     return out / "report.md"
