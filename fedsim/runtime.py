@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedsim.data.base import ArrayDataset, resolve_data_dir
+from fedsim.data.local import cache_parts, dataset_facts, load_local, require_facts
 from fedsim.diskcache import cache_dir, cached_arrays, folder_fingerprint, key_of
 from fedsim.models.layout import ModelLayout
 from fedsim.lowrank.layers import build_factorized
@@ -53,6 +54,21 @@ class Runtime:
         spec = self.scenario.data.dataset
         return self.load_dataset(spec.name, spec)
 
+    def local_data(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """A device's own training set (node config `local-data`), read once per process and cached
+        on disk by its files' fingerprint, so a fresh ClientApp process does not decode it again."""
+        key = ("local-data", str(path))
+        if key not in self.cache:
+            facts = require_facts(self.scenario.data.dataset, path)
+
+            def load() -> dict[str, np.ndarray]:
+                x, y = load_local(path, facts)
+                return {"x": x, "y": y}
+
+            a = cached_arrays("local-data", key_of(cache_parts(path, facts), versions()), load)
+            self.cache[key] = a["x"], a["y"]
+        return self.cache[key]
+
     @functools.cached_property
     def partitions(self) -> list[np.ndarray]:
         spec = self.scenario.data.partition
@@ -84,11 +100,20 @@ class Runtime:
         return len(self.client_data(partition_id)[1])
 
     # --- model ------------------------------------------------------------------------------
+    @functools.cached_property
+    def model_shape(self) -> tuple[tuple[int, ...], int]:
+        """(input shape, class count) the model is built for: the dataset's static facts when it has
+        them, so a device training on its own data never loads the central dataset; else the data's."""
+        facts = dataset_facts(self.scenario.data.dataset)
+        if facts is None:
+            return self.data.input_shape, self.data.num_classes
+        return facts.input_shape, facts.num_classes
+
     def build_model(self, ranks: dict[str, int] | None = None) -> torch.nn.Module:
         """The scenario's model; with `ranks`, its low-rank factorized architecture (Pufferfish layers)."""
         spec = self.scenario.model
         def full():
-            return MODELS.get(spec.name).obj(self.data.input_shape, self.data.num_classes, spec)
+            return MODELS.get(spec.name).obj(*self.model_shape, spec)
         return full() if not ranks else build_factorized(full, ranks)
 
     @functools.cached_property

@@ -7,11 +7,19 @@ keeps optimising) live in `context.state`, so they persist across rounds in simu
 deployment alike; with a state folder (`state_dir`, or a SuperNode's `--node-config
 'state-dir="..."'`) they are also saved there each round, on the client's own disk, so a resumed
 run or a restarted device continues with them (fedsim/runs/checkpoint.py).
+
+A device holding its own data sets `local-data` in its node config (`--node-config
+'local-data="/path"'`): an honest client then trains on those files (fedsim/data/local.py) instead
+of its partition, and reports their size as `num-examples`; nodes without it keep their
+partition, so one run can mix both. An attacker keeps building its own training set from the
+scenario's data as its attack prescribes, whatever `local-data` says. Each message is logged as
+one line on the "fedsim.client" logger.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -22,6 +30,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.attacks.base import AttackerRound, attacker_train_config
+from fedsim.data.local import NODE_CONFIG_KEY as LOCAL_DATA
 from fedsim.runs.checkpoint import load_client, save_client
 from fedsim.registry import AGGREGATORS
 from fedsim.runtime import runtime_for
@@ -31,6 +40,8 @@ from fedsim.wire import ATTACK_METRICS_RECORD, BACKDOOR_RECORD, pack_payload, un
 
 CLIENT_STATE = "client-state"  # codec memory (error feedback) and an attacker's own arrays
 ATTACK_MEMORY = "attack."  # prefix of an attacker's own arrays in the client's saved state
+
+log = logging.getLogger("fedsim.client")
 
 
 def scenario_for_node(scenario, context: Context):
@@ -51,6 +62,32 @@ def partition_id(context: Context) -> int:
     return int(context.node_config["partition-id"])
 
 
+def local_data_path(context: Context) -> str | None:
+    """The device's own data (node config `local-data`), or None to train on its partition."""
+    own = context.node_config.get(LOCAL_DATA)
+    return str(own) if own else None
+
+
+def attacking(rt, pid: int) -> bool:
+    """Whether this client runs the scenario's client-side attack (a server-side attack's clients train honestly)."""
+    return pid in rt.attackers and rt.attack is not None and rt.attack.side == "client"
+
+
+def own_data(rt, context: Context, pid: int, config) -> tuple[np.ndarray, np.ndarray] | None:
+    """An honest device's own training set when its node config names one, else None (its partition).
+
+    Refused under DETOX's redundancy, whose group members must all train on one shared shard."""
+    path = local_data_path(context)
+    if path is None or attacking(rt, pid):
+        return None
+    if "data-partition" in config:
+        raise ValueError(
+            f"{LOCAL_DATA} {path}: the server asks this node to train on partition {config['data-partition']}'s "
+            "shard (redundant group aggregation), which a device holding its own data cannot do"
+        )
+    return rt.local_data(path)
+
+
 class LocalResult(NamedTuple):
     delta: torch.Tensor
     num_examples: int
@@ -58,18 +95,20 @@ class LocalResult(NamedTuple):
     shared: dict[str, np.ndarray] | None = None  # what an attacker reports for the backdoor measurement
 
 
-def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memory: dict | None = None) -> LocalResult:
+def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memory: dict | None = None,
+                 data: tuple[np.ndarray, np.ndarray] | None = None) -> LocalResult:
     """Train from the global model on this client's data (or the attacker's) and return the update.
 
     Under redundant aggregation (DETOX) the server names a `data-partition`: every member of a
     group then trains on that shard with that shard's seed, so honest members agree bit for bit.
     `memory`: an attacker's arrays from its previous attack round, updated in place.
+    `data`: an honest device's own (x, y) in place of its partition; an attacker ignores it.
     """
     fed = rt.scenario.federation
     data_pid = int(config.get("data-partition", pid))
     ranks = model_ranks(config)
     layout = rt.layout_for(ranks)
-    attack = rt.attack if (pid in rt.attackers and rt.attack is not None and rt.attack.side == "client") else None
+    attack = rt.attack if attacking(rt, pid) else None
     model = rt.build_model(ranks)
     layout.load_into(model, global_vec)
     cfg = TrainConfig(fed.local_epochs, fed.batch_size, rt.lr(rnd), fed.momentum, fed.weight_decay,
@@ -82,7 +121,7 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
         n, stats, info = attack.local_train(job)
         delta = attack.finish_update(layout.flatten_model(model) - global_vec, info)
         return LocalResult(delta, n, stats, attack.shared_state(job))
-    x, y = rt.client_data(data_pid)
+    x, y = data if data is not None else rt.client_data(data_pid)
     stats = train(model, x, y, cfg, seed) if len(x) else {"loss": 0.0}
     return LocalResult(layout.flatten_model(model) - global_vec, len(x), stats)
 
@@ -105,19 +144,29 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
+        log.info("query partition %d", partition_id(context))
         return Message(RecordDict({"info": MetricRecord({"partition-id": partition_id(context)})}), reply_to=msg)
 
     @app.train()
     def train_handler(msg: Message, context: Context) -> Message:
+        started = time.perf_counter()
         rt = runtime_for(scenario_for_node(scenario if scenario is not None else scenario_from_context(context), context))
         # as many threads as the actor has CPUs (one by default): parallelism comes from the actors
         torch.set_num_threads(max(1, int(rt.scenario.federation.client_cpus)))
         pid = partition_id(context)
         config = msg.content["config"]
-        protocol_step = AGGREGATORS.get(rt.scenario.aggregator.name).capability("client_step")
+        aggregator = rt.scenario.aggregator.name
+        protocol_step = AGGREGATORS.get(aggregator).capability("client_step")
         if protocol_step is not None:  # one exchange of a multi-exchange protocol (FedMA's layer-wise matching)
-            return protocol_step(rt, pid, msg, context)
+            if local_data_path(context) is not None:
+                raise ValueError(f"{LOCAL_DATA} {local_data_path(context)}: aggregator {aggregator}'s client "
+                                 "protocol trains on the scenario's partitions; it does not take a device's own data")
+            reply = protocol_step(rt, pid, msg, context)
+            log.info("round %s partition %d %s step: %.2f s", config.get("server-round", "?"), pid, aggregator,
+                     time.perf_counter() - started)
+            return reply
         rnd = int(config["server-round"])
+        data = own_data(rt, context, pid, config)
         layout = rt.layout_for(model_ranks(config))
         global_vec = unpack_model(msg.content["arrays"], layout)
         state_dir = state_folder(context, default_state_dir)
@@ -127,9 +176,9 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         elif state_dir is not None:  # a resumed run: this node's memory comes from the checkpoint
             state = load_client(state_dir, pid, rnd) or {}
         memory = {k[len(ATTACK_MEMORY):]: state.pop(k) for k in list(state) if k.startswith(ATTACK_MEMORY)}
-        started = time.perf_counter()
-        result = local_update(rt, pid, global_vec, rnd, config, memory)
-        train_seconds = time.perf_counter() - started
+        train_started = time.perf_counter()
+        result = local_update(rt, pid, global_vec, rnd, config, memory, data)
+        train_seconds = time.perf_counter() - train_started
         if state and int(state.pop("layout-dim", [layout.dim])[0]) != layout.dim:
             state = {}  # the model was factorized since: old residuals no longer fit
         payload, state = rt.codec.encode(result.delta, layout, state)
@@ -143,10 +192,13 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         metrics = MetricRecord({"num-examples": int(result.num_examples), "train-loss": float(result.stats["loss"]),
                                 "partition-id": pid})
         content = RecordDict({"update": pack_payload(payload), "metrics": metrics})
-        if pid in rt.attackers and rt.attack is not None and rt.attack.side == "client":  # the attack's cost
+        if attacking(rt, pid):  # the attack's cost
             content[ATTACK_METRICS_RECORD] = MetricRecord({"train-seconds": train_seconds})
         if result.shared is not None:
             content[BACKDOOR_RECORD] = pack_payload(result.shared)
+        log.info("round %d partition %d %s: %d examples%s, %.2f s", rnd, pid,
+                 "attacker" if attacking(rt, pid) else "honest", result.num_examples,
+                 " (local data)" if data is not None else "", time.perf_counter() - started)
         return Message(content, reply_to=msg)
 
     return app
