@@ -40,21 +40,14 @@ def print_wide(renderable) -> None:
 
 
 def round_table(rounds: list[dict], title: str) -> Table:
+    """The rounds as a table; its rows are the lines a ServerApp under `flwr run` logs per round."""
+    from fedsim.server.app import ROUND_COLUMNS, round_cells
+
     table = Table(title=title)
-    for col in ("round", "acc", "backdoor", "loss", "attackers", "rejected", "MB up", "MB down", "s"):
+    for col in ROUND_COLUMNS:
         table.add_column(col, justify="right", no_wrap=True)
     for r in rounds:
-        table.add_row(
-            str(r["round"]),
-            _fmt(r.get("main_accuracy"), pct=True),
-            _fmt(r.get("backdoor_success"), pct=True),
-            "-" if r.get("main_loss") is None else f"{r['main_loss']:.3f}",
-            ",".join(map(str, r.get("attackers", []))) or "-",
-            str(len(r.get("rejected") or {})) + (" (skipped)" if r.get("skipped") else ""),
-            f"{r.get('bytes_up', 0) / 1e6:.2f}",
-            f"{r.get('bytes_down', 0) / 1e6:.2f}",
-            f"{r.get('wall_seconds', 0):.1f}",
-        )
+        table.add_row(*round_cells(r))
     return table
 
 
@@ -272,9 +265,9 @@ def cmd_run(args) -> int:
 
 def skipped_exit_code(rounds: list[dict]) -> int:
     """1 (with the reasons on stderr) when no round of the run was aggregated, else 0."""
-    from fedsim.runs.results import every_round_skipped
+    from fedsim.server.app import nothing_trained
 
-    reason = every_round_skipped(rounds)
+    reason = nothing_trained(rounds)
     if reason is not None:
         err_console.print(f"error: {reason}", markup=False, highlight=False, soft_wrap=True)
         return 1
@@ -320,8 +313,10 @@ def cmd_sweep(args) -> int:
     name, runs = expand(args.file, args.set)
     preflight_runs(runs, str(args.file))
     folder = sweep_dir(name, runs, args.output)
+    again = clear_runs_that_trained_nothing(folder, runs)
     todo = [r for r in runs if not is_done(folder / r.name)]
-    console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}")
+    console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}"
+                  + (f"; {len(again)} that trained nothing last time run again" if again else ""))
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
     stop = threading.Event()
     with on_signals(stop) as signals:
@@ -339,12 +334,16 @@ def cmd_sweep(args) -> int:
                         progress.reset(current, total=scenario.federation.rounds, description=scenario.name[:40], status="")
                         simulate(scenario, run_dir=run_dir, verbose=args.verbose, stop=stop, signals=signals,
                                  progress=lambda r: progress.update(current, completed=r["round"]))
-                        progress.update(overall, advance=1)
+                        failure = trained_nothing(run_dir)
+                        progress.update(overall, advance=1, status=f"{scenario.name}: {'FAILED' if failure else 'ok'}")
+                        if failure:
+                            progress.console.print(f"run {scenario.name} failed: {failure}", markup=False, highlight=False,
+                                                   soft_wrap=True)
 
                     run_sweep(folder, runs, runner)
         except (RunInterrupted, RunStopped) as err:
             code = err.exit_code if isinstance(err, RunInterrupted) else 130
-            done = sum(is_done(folder / r.name) for r in runs)
+            done = sum(finished(folder / r.name) for r in runs)
             again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
                      *(["--output", str(args.output)] if args.output is not None else []),
                      *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])]
@@ -354,10 +353,60 @@ def cmd_sweep(args) -> int:
                 exit_now(code)
             return code
     path = write_report([folder], folder / "report")
-    done = [folder / r.name for r in runs if is_done(folder / r.name)]
+    done = [folder / r.name for r in runs if finished(folder / r.name)]
     print(markdown_table(done, {d: d.name for d in done}))
     console.print(f"report: {path}")
-    return 0 if all(is_done(folder / r.name) for r in runs) else 1
+    failed = {r.name: why for r in runs if (why := trained_nothing(folder / r.name))}
+    if failed:
+        err_console.print(f"error: {len(failed)} of {len(runs)} runs trained nothing (every round skipped); "
+                          "`fedsim sweep` runs them again:\n" + "\n".join(f"  {n}: {why}" for n, why in failed.items()),
+                          markup=False, highlight=False, soft_wrap=True)
+    return 0 if len(done) == len(runs) else 1
+
+
+def trained_nothing(run_dir: Path) -> str | None:
+    """Why a run that ended measured nothing (every round skipped), from its summary.json; None
+    when it trained or has not ended. A summary written before `all_rounds_skipped` existed is
+    judged from its rounds.jsonl."""
+    from fedsim.runs.folder import RunFolder
+
+    folder = RunFolder(run_dir)
+    try:
+        summary = json.loads(folder.summary_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if "all_rounds_skipped" not in summary:
+        from fedsim.server.app import nothing_trained
+        from fedsim.runs.results import read_rounds
+
+        return nothing_trained(read_rounds(folder))
+    return (summary.get("failure") or "every round was skipped") if summary["all_rounds_skipped"] else None
+
+
+def finished(run_dir: Path) -> bool:
+    """A sweep's run is done when it ended (summary.json) having trained: a run whose every round
+    was skipped measured only the initial model, so it is neither counted nor reported as done."""
+    from fedsim.runs.sweep import is_done
+
+    return is_done(run_dir) and trained_nothing(run_dir) is None
+
+
+def clear_runs_that_trained_nothing(folder: Path, runs) -> list[str]:
+    """Make the sweep's runs that trained nothing run again, from the start: their rounds,
+    checkpoints and summary are removed (a resume would only reload their last checkpoint and
+    end the same way); their scenario, sweep.json and fedsim.log stay. Returns their names."""
+    from fedsim.runs.folder import RunFolder
+
+    names = []
+    for run in runs:
+        folder_of_run = RunFolder(folder / run.name)
+        if trained_nothing(folder_of_run.path) is None:
+            continue
+        folder_of_run.rounds_file.unlink(missing_ok=True)
+        shutil.rmtree(folder_of_run.checkpoints, ignore_errors=True)
+        folder_of_run.summary_file.unlink()  # last: a clearing cut short is done again next time
+        names.append(run.name)
+    return names
 
 
 def run_in_processes(todo, folder: Path, jobs: int, progress, overall) -> None:
@@ -435,14 +484,16 @@ def cmd_deploy(args) -> int:
     if certs is None and not args.insecure:
         raise ScenarioError("fedsim deploy", [("--certs", "TLS needs a certificate folder (scripts/generate_certs.sh), or pass --insecure for loopback tests", None)])
     tls = None if certs is None else deploy.Tls(certs / "ca.crt", certs / "server.pem", certs / "server.key")
-    cmds = []
+    if args.health is not None and args.role not in ("superlink", "supernode"):
+        raise ScenarioError("fedsim deploy", [("--health", "Flower's health service belongs to a superlink or supernode", args.role)])
+    cmds, connection = [], None
     if args.role == "superlink":
-        cmds.append(deploy.superlink_cmd(args.host, args.port, tls, auth=not args.no_auth))
+        cmds.append(deploy.superlink_cmd(args.host, args.port, tls, auth=not args.no_auth, health_address=args.health))
     elif args.role == "supernode":
         key = args.auth_key if args.auth_key is not None else (None if certs is None else certs / f"node{args.partition}_key")
         cmds.append(deploy.supernode_cmd(args.partition, args.num_partitions, args.superlink, args.node_port,
                                          None if tls is None else tls.ca_cert, key, args.data_dir, isolation=args.isolation,
-                                         state_dir=args.state_dir))
+                                         state_dir=args.state_dir, health_address=args.health))
         if args.isolation == "process" and args.executor == "fork":
             from fedsim.engine import flower_compat
 
@@ -455,10 +506,23 @@ def cmd_deploy(args) -> int:
             cmds.append(deploy.executor_cmd(runtime_api, poll_interval=args.poll_interval, preload=preload)
                         if args.executor == "fork" else deploy.superexec_cmd(runtime_api))
     else:
-        home = Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr"))
-        deploy.write_connection(home, "fedsim", args.superlink, None if tls is None else tls.ca_cert)
-        cmds.append(deploy.run_cmd("fedsim", args.file, args.set, args.output))
+        if args.file is None:
+            raise ScenarioError("fedsim deploy run", [("FILE", "a scenario file inside the Flower app directory is required", None)])
+        try:  # the app is the current directory's (or --app's); the scenario travels inside its FAB
+            app_dir = deploy.find_app_dir(args.app)
+            cmds.append(deploy.run_cmd("fedsim", args.file, args.set, args.output, app_dir=app_dir))
+        except deploy.DeployError as err:
+            err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
+            return 2
+        connection = deploy.connection_entry("fedsim", args.superlink, None if tls is None else tls.ca_cert)
     env = deploy.deploy_env()
+    if connection is not None:
+        home = Path(os.environ.get("FLWR_HOME", Path.home() / ".flwr"))
+        if args.dry_run:  # a dry run writes nothing: it shows the entry `flwr run` will need
+            print(f"# would add to {home / 'config.toml'}:")
+            print("\n".join(f"#   {line}" for line in connection.splitlines()))
+        else:
+            deploy.write_connection(home, "fedsim", args.superlink, None if tls is None else tls.ca_cert)
     print(f"export {deploy.POLL_ENV}={env[deploy.POLL_ENV]}")
     for cmd in cmds:
         print(shlex.join(cmd))
@@ -513,7 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     dep = sub.add_parser("deploy", help="run the same apps on a real SuperLink and SuperNodes")
     dep.add_argument("role", choices=["superlink", "supernode", "run", "executor"],
                      help="executor: fedsim's forking ClientApp executor for a `--isolation process` SuperNode")
-    dep.add_argument("file", type=Path, nargs="?", default=None, help="scenario (for `run`)")
+    dep.add_argument("file", type=Path, nargs="?", default=None,
+                     help="run: the scenario, a file inside the app directory (see --app)")
     dep.add_argument("--insecure", action="store_true", help="no TLS, no node authentication: loopback tests only")
     dep.add_argument("--certs", type=Path, default=None, help="folder from scripts/generate_certs.sh")
     dep.add_argument("--host", default="127.0.0.1", help="SuperLink bind address (0.0.0.0 for other machines)")
@@ -528,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--state-dir", type=Path, default=None,
                      help="supernode: folder for the ClientApp's memory between rounds (error feedback), kept across restarts")
     dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    dep.add_argument("--output", type=Path, default=None, help="parent of the run folder (on the ServerApp's machine)")
+    dep.add_argument("--output", default=None,
+                     help="run: parent of the run folder, a path on the ServerApp's machine (relative: to where its SuperLink started)")
     dep.add_argument("--isolation", choices=["subprocess", "process"], default="subprocess",
                      help="supernode: `process` runs the ClientApp executor beside the SuperNode (see --executor)")
     dep.add_argument("--executor", choices=["fork", "flower"], default="fork",
@@ -539,7 +605,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default torch,numpy,pydantic,yaml)")
     dep.add_argument("--runtime-api", default=None, help="executor: the SuperNode's Runtime API (default 127.0.0.1:<node port>)")
     dep.add_argument("--runtime-root-cert", type=Path, default=None, help="executor: CA of a TLS Runtime API (SuperNode --ssl-*)")
-    dep.add_argument("--dry-run", action="store_true", help="print the Flower command and stop")
+    dep.add_argument("--app", type=Path, default=None,
+                     help="run: the Flower app directory `flwr run` builds and ships, with the scenario inside it "
+                          "(default: the current directory; it needs a pyproject.toml with [tool.flwr.app])")
+    dep.add_argument("--health", default=None, metavar="ADDR",
+                     help="superlink, supernode: start Flower's gRPC health service on ADDR (host:port, no TLS)")
+    dep.add_argument("--dry-run", action="store_true", help="print the Flower commands and stop; writes nothing")
     dep.set_defaults(func=cmd_deploy)
 
     rep = sub.add_parser("report", help="markdown table and plots from run folders")

@@ -41,9 +41,10 @@ class Cluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
 
-    def start(self, cmd: list[str], name: str) -> subprocess.Popen:
+    def start(self, cmd: list[str], name: str, cwd: Path | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
-        proc = subprocess.Popen(cmd, env=self.env, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=self.env, cwd=cwd or self.tmp, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -182,18 +183,50 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def test_killed_supernode_does_not_hang_the_server(cluster):
+# flwr 1.41 has no heartbeat option: a SuperNode reports every 17.5-22.5 s and the SuperLink marks it
+# offline 2 x 30 s after its last report (HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE), then
+# answers for it with a "Node Unavailable" error reply. A round_timeout above that lets the
+# SuperLink's verdict arrive before the server stops waiting.
+OFFLINE_AFTER = 60
+
+
+def test_killed_supernode_is_reported_unavailable_and_its_rounds_do_not_wait_past_the_timeout(cluster):
+    """`fedsim deploy run` from the app's directory (the FAB built there, the scenario named
+    relative to it), 3 SuperNodes, 4 rounds; node 2 is killed once round 1 is written.
+
+    Every `rejected` entry names a client sampled in its round, with the true reason: the node the
+    SuperLink declared unavailable, never a timeout (the SuperLink's error reply comes from its
+    own node id, and must still be put under the client whose message it answers). The round
+    that lost the node ends no later than the longest other round plus round_timeout, the later
+    ones at once. The ServerApp logs each round's row, and the run exits 0."""
+    timeout = OFFLINE_AFTER + 30
     cluster.superlink()
     nodes = [cluster.supernode(i, 3) for i in range(3)]
-    run = cluster.run(SCENARIO + ["federation.round_timeout=60"])
+    sets = [s for s in SCENARIO if "rounds" not in s] + ["federation.rounds=4", f"federation.round_timeout={timeout}"]
+    cmd = [sys.executable, "-m", "fedsim.cli", "deploy", "run", "scenarios/quickstart.yaml", "--insecure",
+           "--superlink", cluster.address, "--output", str(cluster.tmp / "results"), *sum((["--set", s] for s in sets), [])]
+    run = cluster.start(cmd, "flwr_run", cwd=REPO)
     deadline = time.time() + 600
-    while time.time() < deadline and not (cluster.run_dir() and read_rounds(cluster.run_dir())):
-        time.sleep(2)
-    os.killpg(nodes[2].pid, signal.SIGKILL)  # device 2 dies after round 1
-    summary = wait_summary(cluster, 400, run)
-    last = read_rounds(cluster.run_dir())[-1]
-    assert summary["rounds_completed"] == 2
-    assert "2" in last["rejected"] and last["aggregated"] == [0, 1]
+    while time.time() < deadline and run.poll() is None and not (cluster.run_dir() and read_rounds(cluster.run_dir())):
+        time.sleep(0.5)
+    os.killpg(nodes[2].pid, signal.SIGKILL)  # device 2 dies (with its ClientApp process) after round 1
+    assert run.wait(timeout=600) == 0, (cluster.tmp / "flwr_run.log").read_text()[-3000:]
+    rounds = [r for r in read_rounds(cluster.run_dir()) if r["round"] > 0]
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    for r in rounds:
+        assert set(r["rejected"]) <= {str(p) for p in r["sampled"]}, r["rejected"]
+    lost = [r for r in rounds if r["rejected"]]
+    assert lost and lost[-1]["round"] == 4 and [r["round"] for r in lost] == list(range(lost[0]["round"], 5))
+    for r in lost:
+        assert set(r["rejected"]) == {"2"} and r["aggregated"] == [0, 1]
+        assert "Node Unavailable" in r["rejected"]["2"] and "round_timeout" not in r["rejected"]["2"], r["rejected"]
+    others = max(r["wall_seconds"] for r in rounds if not r["rejected"])  # every reply came
+    assert lost[0]["wall_seconds"] <= others + timeout, (lost[0]["wall_seconds"], others)
+    for r in lost[1:]:  # the node is offline by then: the SuperLink answers for it at once
+        assert r["wall_seconds"] < others + OFFLINE_AFTER / 2, (r["round"], r["wall_seconds"], others)
+    log = (cluster.tmp / "flwr_run.log").read_text()
+    for k in range(1, 5):
+        assert f"fedsim round {k}/4: acc " in log, log[-3000:]
 
 
 def test_tls_with_supernode_authentication(cluster, tmp_path):

@@ -2,8 +2,10 @@
 
 Most helpers here only build the standard Flower command lines (printed by `fedsim deploy ... --dry-run`)
 and the connection entry `flwr run` needs; the ServerApp and ClientApp are the very ones the
-simulation runs. Security: TLS with SuperNode authentication unless `--insecure` is given, which
-is meant for loopback tests only.
+simulation runs. `fedsim deploy run` ships the Flower app of the current directory (or `--app`)
+with the scenario inside it, named relative to the app directory (`find_app_dir`, `scenario_in_app`).
+Security: TLS with SuperNode authentication unless `--insecure` is given, which is meant for
+loopback tests only.
 
 Speed (see docs/deployment.md, "Cost per round"): in flwr 1.41 every message a SuperNode receives
 runs in a fresh `flwr-clientapp` process, whatever the isolation mode, and that process spends
@@ -23,11 +25,20 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-APP_DIR = Path(__file__).resolve().parents[2]  # the repository (the Flower app: pyproject.toml)
+# The folder above this package: fedsim's source tree (a Flower app: pyproject.toml) when fedsim
+# runs from a checkout or from a FAB, site-packages after a regular install (no app there).
+SOURCE_TREE = Path(__file__).resolve().parents[2]
+# What `fedsim deploy run` passes in `--run-config`: these keys must exist in the app's
+# [tool.flwr.app.config] (flwr refuses unknown keys).
+RUN_CONFIG_KEYS = ("scenario", "overrides", "output-dir")
+# The scenario travels in the FAB, which ships only some file types (flwr 1.41: py, toml, md,
+# yaml/yml, json/jsonl, LICENSE); a scenario is YAML.
+SCENARIO_SUFFIXES = (".yaml", ".yml")
 QUIET_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -55,7 +66,8 @@ class Tls:
 
 
 def superlink_cmd(host: str = "127.0.0.1", port: int = 8000, tls: Tls | None = None, auth: bool = True,
-                  database: Path | None = None) -> list[str]:
+                  database: Path | None = None, health_address: str | None = None) -> list[str]:
+    """`health_address`: where Flower's gRPC health service listens (`--health-server-address`, no TLS)."""
     cmd = ["flower-superlink", "--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
     if tls is None:
         cmd.append("--insecure")
@@ -65,6 +77,8 @@ def superlink_cmd(host: str = "127.0.0.1", port: int = 8000, tls: Tls | None = N
             cmd.append("--enable-supernode-auth")
     if database is not None:
         cmd += ["--database", str(database)]
+    if health_address is not None:
+        cmd += ["--health-server-address", health_address]
     return cmd
 
 
@@ -75,11 +89,14 @@ def node_port(partition: int, port: int | None = None) -> int:
 
 def supernode_cmd(partition: int, num_partitions: int, superlink: str = "127.0.0.1:8000", port: int | None = None,
                   root_cert: Path | None = None, auth_key: Path | None = None, data_dir: Path | None = None,
-                  max_retries: int | None = None, isolation: str = "subprocess", state_dir: Path | None = None) -> list[str]:
+                  max_retries: int | None = None, isolation: str = "subprocess", state_dir: Path | None = None,
+                  health_address: str | None = None) -> list[str]:
     """A SuperNode holding partition `partition` of `num_partitions` (its node config).
 
     `data_dir`: the device's data folder; `state_dir`: where its ClientApp keeps its memory
     between rounds (error feedback), on the device's own disk, so a restarted device continues.
+    `health_address`: where Flower's gRPC health service listens (`--health-server-address`, no
+    TLS; without it none is started), for a supervisor's liveness probe.
 
     `isolation="process"` makes the SuperNode start no executor of its own: one must be started
     next to it against its Runtime API (`superexec_cmd` or `executor_cmd`).
@@ -100,31 +117,120 @@ def supernode_cmd(partition: int, num_partitions: int, superlink: str = "127.0.0
         cmd += ["--auth-supernode-private-key", str(auth_key)]
     if max_retries is not None:
         cmd += ["--max-retries", str(max_retries)]
+    if health_address is not None:
+        cmd += ["--health-server-address", health_address]
     return cmd
+
+
+def connection_entry(name: str, address: str, root_cert: Path | None = None) -> str:
+    """The `[superlink.<name>]` table of `$FLWR_HOME/config.toml` through which `flwr run` finds a SuperLink."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ValueError(f"connection name {name!r} must be letters, digits, '-' or '_'")
+    entry = f'[superlink.{name}]\naddress = "{address}"\n'
+    return entry + ("insecure = true\n" if root_cert is None else f'root-certificates = "{Path(root_cert).resolve()}"\n')
 
 
 def write_connection(flwr_home: Path, name: str, address: str, root_cert: Path | None = None) -> Path:
     """Add (or replace) `[superlink.<name>]` in `$FLWR_HOME/config.toml`, the way `flwr run` finds a SuperLink."""
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
-        raise ValueError(f"connection name {name!r} must be letters, digits, '-' or '_'")
+    entry = connection_entry(name, address, root_cert)
     path = Path(flwr_home) / "config.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = path.read_text() if path.exists() else ""
     text = re.sub(rf"(?ms)^\[superlink\.{name}\]\n.*?(?=^\[|\Z)", "", text).rstrip()
-    entry = f'\n\n[superlink.{name}]\naddress = "{address}"\n'
-    entry += "insecure = true\n" if root_cert is None else f'root-certificates = "{Path(root_cert).resolve()}"\n'
-    path.write_text((text + entry).lstrip())
+    path.write_text((text + "\n\n" + entry).lstrip())
     return path
 
 
-def run_cmd(connection: str, scenario: Path, overrides: list[str] | None = None, output_dir: Path | None = None,
-            stream: bool = True) -> list[str]:
-    """`flwr run` of this app against a connection, with the scenario chosen by run config."""
+class DeployError(ValueError):
+    """`fedsim deploy` was asked for something it cannot do; the message says what to pass instead."""
+
+
+def flower_app_config(directory: Path) -> dict | None:
+    """`[tool.flwr.app]` of `directory/pyproject.toml`, or None when there is no such table."""
+    path = Path(directory) / "pyproject.toml"
+    if not path.is_file():
+        return None
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as err:
+        raise DeployError(f"{path} cannot be read as TOML: {err}") from None
+    app = config.get("tool", {}).get("flwr", {}).get("app")
+    return app if isinstance(app, dict) else None
+
+
+def source_app_dir() -> Path | None:
+    """fedsim's own source tree when it is a Flower app (a checkout, an editable install, a FAB)."""
+    return SOURCE_TREE if flower_app_config(SOURCE_TREE) is not None else None
+
+
+def find_app_dir(app: Path | None = None, cwd: Path | None = None) -> Path:
+    """The Flower app `flwr run` builds into a FAB and ships: `app` when given, else the current
+    directory. It must hold a pyproject.toml with [tool.flwr.app] whose [tool.flwr.app.config]
+    declares the run config keys fedsim passes (RUN_CONFIG_KEYS)."""
+    where = Path(app) if app is not None else Path(cwd if cwd is not None else Path.cwd())
+    config = flower_app_config(where)
+    if config is None:
+        source = source_app_dir()
+        hint = f" (fedsim's source tree is one: --app {source})" if source is not None else ""
+        given = f"--app {where}" if app is not None else f"the current directory {where.resolve()}"
+        raise DeployError(f"{given} holds no Flower app (a pyproject.toml with [tool.flwr.app]); run "
+                          f"`fedsim deploy run` from the app's directory or pass --app DIR{hint}")
+    declared = config.get("config") if isinstance(config.get("config"), dict) else {}
+    missing = [k for k in RUN_CONFIG_KEYS if k not in declared]
+    if missing:
+        raise DeployError(f"{where.resolve() / 'pyproject.toml'}: [tool.flwr.app.config] lacks {', '.join(missing)}; "
+                          f"flwr run refuses run config keys the app does not declare. Add: "
+                          + "; ".join(f'{k} = ""' for k in missing))
+    return where.resolve()
+
+
+def scenario_in_app(scenario: Path, app_dir: Path, cwd: Path | None = None) -> str:
+    """The scenario's path relative to the app directory (POSIX), as the run config names it.
+
+    The scenario travels inside the FAB; the SuperLink's ServerApp and the SuperNodes' ClientApps
+    find it relative to where the FAB was unpacked on their machine (fedsim/deploy/run_config.py).
+    A relative `scenario` is taken from the current directory, else from the app directory. A file
+    outside the app directory is refused rather than copied into it: `flwr run` builds the FAB from
+    the directory as it is on disk, so a copy would be a file written into the user's project.
+    """
+    app_dir = Path(app_dir).resolve()
+    given = Path(scenario)
+    here = Path(cwd) if cwd is not None else Path.cwd()
+    candidates = [given] if given.is_absolute() else [here / given, app_dir / given]
+    found = next((c.resolve() for c in candidates if c.is_file()), None)
+    if found is None:
+        raise DeployError(f"scenario {given}: no such file (looked for {', '.join(str(c) for c in candidates)})")
+    if not found.is_relative_to(app_dir):
+        raise DeployError(f"scenario {found} lies outside the app directory {app_dir}: only the app's files travel "
+                          f"to the SuperLink (the FAB). Put the scenario under {app_dir} (e.g. {app_dir / 'scenarios'}) "
+                          "and pass that path, or pass --app with a directory that holds it")
+    if found.suffix not in SCENARIO_SUFFIXES:
+        raise DeployError(f"scenario {found}: the FAB carries a scenario only as a .yaml/.yml file; name it *.yaml")
+    return str(PurePosixPath(*found.relative_to(app_dir).parts))
+
+
+def run_config(scenario: str, overrides: list[str] | None = None, output_dir: str | Path | None = None) -> str:
+    """The `--run-config` of a fedsim run: the scenario (relative to the app directory), the
+    `--set` overrides, and the output folder, which is a path on the ServerApp's machine and
+    passed as given (a relative one is relative to the directory its SuperLink was started in)."""
     joined = ";".join(overrides or []).replace('"', "'")
-    config = f'scenario="{Path(scenario).resolve()}" overrides="{joined}"'
+    config = f'scenario="{scenario}" overrides="{joined}"'
     if output_dir is not None:
-        config += f' output-dir="{Path(output_dir).resolve()}"'
-    cmd = ["flwr", "run", str(APP_DIR), connection, "--run-config", config]
+        config += f' output-dir="{output_dir}"'
+    return config
+
+
+def run_cmd(connection: str, scenario: Path, overrides: list[str] | None = None, output_dir: Path | None = None,
+            stream: bool = True, app_dir: Path | None = None) -> list[str]:
+    """`flwr run` of the Flower app at `app_dir` (default: fedsim's source tree) against a
+    connection, with the scenario (a file inside the app directory) chosen by run config."""
+    if app_dir is None:
+        app_dir = source_app_dir()
+        if app_dir is None:
+            raise DeployError(f"fedsim at {SOURCE_TREE} is not a source tree: name the Flower app directory")
+    app_dir = find_app_dir(app_dir)
+    config = run_config(scenario_in_app(scenario, app_dir), overrides, output_dir)
+    cmd = ["flwr", "run", str(app_dir), connection, "--run-config", config]
     return cmd + (["--stream"] if stream else [])
 
 

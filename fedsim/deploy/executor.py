@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedsim.deploy.commands import APP_DIR, FAST_POLL_SECONDS, PRELOAD
+from fedsim.deploy.commands import FAST_POLL_SECONDS, PRELOAD, source_app_dir
 
 
 class _Stop(Exception):
@@ -22,8 +22,14 @@ class _Stop(Exception):
 
 
 def _app_packages() -> set[str]:
-    """Top-level packages of this app (fedsim, attacks, defenses, aggregators, ...)."""
-    return {p.name for p in APP_DIR.iterdir() if (p / "__init__.py").is_file()}
+    """Top-level packages of this app: those of fedsim's source tree (fedsim, attacks, defenses,
+    aggregators, ...) when it runs from one, else fedsim alone (after a regular install the folder
+    above the package is site-packages, whose packages, torch and flwr among them, a child must
+    keep: they are what the executor preloads)."""
+    source = source_app_dir()
+    if source is None:
+        return {__name__.partition(".")[0]}
+    return {p.name for p in source.iterdir() if (p / "__init__.py").is_file()}
 
 
 def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, poll_interval: float = FAST_POLL_SECONDS,

@@ -1,27 +1,71 @@
 """Finding the scenario when the apps run under `flwr run` (no Python closure to carry it).
 
-The run config key `scenario` names a YAML file (relative paths are resolved against the app
-directory, then the working directory); `overrides` holds `--set` style `a.b=value` pairs
-separated by `;` (values may contain spaces, as YAML flow mappings do).
+The run config key `scenario` names a YAML file. `fedsim deploy run` ships it inside the Flower
+app bundle (FAB) and names it by its path relative to the app directory; on the SuperLink and on
+every SuperNode the FAB is unpacked elsewhere (`$FLWR_HOME/apps/<app>/`), so a relative path is
+resolved against the app directory *there* (see `app_dirs`), then as `fedsim run` resolves one
+(the working directory, then the ready scenarios). An absolute path names a file on the machine
+that runs the app (a plain `flwr run` may pass one). `overrides` holds `--set` style `a.b=value`
+pairs separated by `;` (values may contain spaces, as YAML flow mappings do).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from flwr.app import Context
 
-from fedsim.scenario import load_scenario
+from fedsim.deploy.commands import flower_app_config, source_app_dir
+from fedsim.scenario import ScenarioError, load_scenario
 
-APP_DIR = Path(__file__).resolve().parents[2]  # the repository (the Flower app: pyproject.toml)
+
+def app_dirs() -> list[Path]:
+    """Where this run's app files may lie, most likely first.
+
+    flwr 1.41 puts the directory it unpacked the FAB into on `sys.path` (first, unless already
+    there) before it imports the ServerApp or ClientApp named in `[tool.flwr.app.components]`
+    (`load_app(..., project_dir)`), and passes the apps no other trace of it. fedsim itself may
+    come from that directory (fedsim's own tree is the app) or from an installed package (the app
+    is a project of the user's that names fedsim's components). So: the Flower apps on
+    `sys.path`, in its order, then fedsim's own source tree.
+    """
+    found: list[Path] = []
+    for entry in sys.path:
+        try:
+            directory = Path(entry or ".").resolve()
+            if directory not in found and flower_app_config(directory) is not None:
+                found.append(directory)
+        except (OSError, ValueError):  # an unreadable entry or pyproject: not an app
+            continue
+    source = source_app_dir()
+    if source is not None and source not in found:
+        found.append(source)
+    return found
+
+
+def scenario_path(value: str) -> Path:
+    """The file the run config's `scenario` names, on this machine."""
+    from fedsim.scenario_files import resolve_scenario_path
+
+    path = Path(value)
+    if path.is_absolute():
+        return path
+    dirs = app_dirs()
+    for directory in dirs:
+        if (directory / path).is_file():
+            return directory / path
+    fallback = resolve_scenario_path(path)  # the working directory, then the ready scenarios
+    if fallback.is_file():
+        return fallback
+    raise ScenarioError("run config", [("scenario", "not in the app directory the FAB was unpacked into, nor a ready "
+                                        f"scenario; looked in {', '.join(map(str, dirs)) or 'no app directory'}. "
+                                        "A file the FAB leaves out (.gitignore, fab-exclude, not .yaml) never arrives", value)])
 
 
 def scenario_from_context(context: Context):
     cfg = context.run_config
     if "scenario" not in cfg:
         raise ValueError("run config has no 'scenario' key naming the scenario YAML file")
-    path = Path(str(cfg["scenario"]))
-    if not path.is_absolute() and (APP_DIR / path).exists():
-        path = APP_DIR / path
     overrides = [item.strip() for item in str(cfg.get("overrides", "")).split(";") if item.strip()]
-    return load_scenario(path, overrides)
+    return load_scenario(scenario_path(str(cfg["scenario"])), overrides)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Callable
 
 from flwr.app import Context
+from flwr.common import log as flwr_log
 from flwr.serverapp import Grid, ServerApp
 
 from fedsim.runs.checkpoint import load_server
@@ -103,12 +105,74 @@ def prepare_resume(run_dir: RunFolder, strategy: ScenarioStrategy) -> int:
 
 
 def finish(run_dir: RunFolder, scenario, rt) -> dict:
-    extra = {"attackers": rt.attackers, "run_dir": str(run_dir.path)}
+    """Write summary.json. A run that measured nothing says so there (`all_rounds_skipped`, and
+    why in `failure`): its numbers are those of the initial model, and a sweep must not count it
+    as done (fedsim/cli.py: cmd_sweep runs it again)."""
+    rounds = read_rounds(run_dir)
+    failure = nothing_trained(rounds)
+    extra = {"attackers": rt.attackers, "run_dir": str(run_dir.path), "all_rounds_skipped": failure is not None,
+             "failure": failure}
     if rt.attack is not None:
         extra["attack"] = rt.attack.report(rt)
-    summary = summarize(scenario, read_rounds(run_dir), extra)
+    summary = summarize(scenario, rounds, extra)
     write_summary(run_dir, summary)
     return summary
+
+
+def nothing_trained(rounds: list[dict], causes: int = 3) -> str | None:
+    """Why no round of the run was aggregated (None when one was): the rounds' `skipped` reasons
+    and the first `causes` distinct reasons the clients' uploads were rejected for (a client's
+    error, a node gone offline, a timeout), each cut to one line."""
+    reason = every_round_skipped(rounds)
+    if reason is None:
+        return None
+    seen = dict.fromkeys(_one_line(v) for r in rounds if r["round"] > 0 for v in (r.get("rejected") or {}).values())
+    if seen:
+        listed = list(seen)[:causes]
+        more = f" (+{len(seen) - len(listed)} more in rounds.jsonl)" if len(seen) > len(listed) else ""
+        reason += "; uploads rejected: " + " | ".join(listed) + more
+    return reason
+
+
+def _one_line(reason, limit: int = 300) -> str:
+    """A rejection reason on one line. A traceback (a ClientApp's error through Ray or Flower)
+    becomes its first line's prefix and the first `SomeError: message` line in it, the root cause."""
+    lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+    if len(lines) > 1:
+        cause = next((line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception): ", line)), None)
+        if cause is not None:
+            return f"{lines[0].split(':', 1)[0]}: {cause}"[:limit]
+    return " ".join(lines)[:limit]
+
+
+# --- the round's line in a log: the columns of `fedsim run`'s table (fedsim/cli.py: round_table) ---
+ROUND_COLUMNS = ("round", "acc", "backdoor", "loss", "attackers", "rejected", "MB up", "MB down", "s")
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def round_cells(record: dict) -> list[str]:
+    """One rounds.jsonl line as the cells of ROUND_COLUMNS."""
+    return [
+        str(record["round"]),
+        _percent(record.get("main_accuracy")),
+        _percent(record.get("backdoor_success")),
+        "-" if record.get("main_loss") is None else f"{record['main_loss']:.3f}",
+        ",".join(map(str, record.get("attackers", []))) or "-",
+        str(len(record.get("rejected") or {})) + (" (skipped)" if record.get("skipped") else ""),
+        f"{record.get('bytes_up', 0) / 1e6:.2f}",
+        f"{record.get('bytes_down', 0) / 1e6:.2f}",
+        f"{record.get('wall_seconds', 0):.1f}",
+    ]
+
+
+def round_log_line(record: dict, rounds: int) -> str:
+    """`fedsim round 3/10: acc 91.2% | backdoor 4.0% | ...`: a round's table row as one log line."""
+    cells = dict(zip(ROUND_COLUMNS, round_cells(record)))
+    head = f"fedsim round {cells.pop('round')}/{rounds}: "
+    return head + " | ".join(f"{column} {cell}" for column, cell in cells.items())
 
 
 def make_server_app(scenario=None, run_dir: Path | RunFolder | None = None, progress=None, checkpoints: bool = False,
@@ -134,14 +198,17 @@ def make_server_app(scenario=None, run_dir: Path | RunFolder | None = None, prog
             folder = RunFolder.create(scen, context.run_config.get("output-dir") or None)
         else:
             folder = RunFolder.of(run_dir)
+        report = progress
+        if report is None and scenario is None:  # under `flwr run`: each round's row in the ServerApp's log
+            report = log_rounds(scen.federation.rounds)
+            flwr_log(logging.INFO, "fedsim: run folder %s (on this machine)", folder.path)
         if stop is not None:
             grid = StoppableGrid(grid, stop, options.reply_poll_seconds)
         try:
             if on_rounds_done is None:
-                run_server(grid, scen, folder, progress, checkpoints)
-                failed = every_round_skipped(read_rounds(folder))
-                if failed is not None:  # under `flwr run`: the run ends as failed (fedsim's simulation: the CLI's exit code)
-                    raise RuntimeError(f"{failed} (results in {folder.path})")
+                summary = run_server(grid, scen, folder, report, checkpoints)
+                if summary.get("failure"):  # under `flwr run`: the run ends as failed (fedsim's simulation: the CLI's exit code)
+                    raise RuntimeError(f"{summary['failure']} (results in {folder.path})")
             else:
                 on_rounds_done(drive_server(grid, scen, folder, progress, checkpoints, defer_last_evaluation=True,
                                             options=options, node_map=node_map))
@@ -152,6 +219,19 @@ def make_server_app(scenario=None, run_dir: Path | RunFolder | None = None, prog
                 finished.set()
 
     return app
+
+
+def log_rounds(rounds: int) -> Callable[[dict], None]:
+    """Progress for a ServerApp under `flwr run`: each round's row, logged when its line is written
+    (after its evaluation). Flower's own "Global evaluation" line cannot serve: with
+    `evaluation.overlap` a round's evaluation is still running when Flower logs it, so it shows
+    `MetricRecord: None` for every round but the last. Through Flower's logger, whose output
+    `flwr run --stream` and `flwr log` show."""
+
+    def log_round(record: dict) -> None:
+        flwr_log(logging.INFO, "%s", round_log_line(record, rounds))
+
+    return log_round
 
 
 # The component `flwr run` loads (`[tool.flwr.app.components]` in pyproject.toml): the scenario
