@@ -493,7 +493,7 @@ def cmd_deploy(args) -> int:
         key = args.auth_key if args.auth_key is not None else (None if certs is None else certs / f"node{args.partition}_key")
         cmds.append(deploy.supernode_cmd(args.partition, args.num_partitions, args.superlink, args.node_port,
                                          None if tls is None else tls.ca_cert, key, args.data_dir, isolation=args.isolation,
-                                         state_dir=args.state_dir, health_address=args.health))
+                                         state_dir=args.state_dir, health_address=args.health, local_data=args.local_data))
         if args.isolation == "process" and args.executor == "fork":
             from fedsim.engine import flower_compat
 
@@ -590,6 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--node-port", type=int, default=None, help="this SuperNode's local port (default 9094 + partition)")
     dep.add_argument("--auth-key", type=Path, default=None, help="this SuperNode's private key (default certs/node<i>_key)")
     dep.add_argument("--data-dir", type=Path, default=None, help="this device's data folder")
+    dep.add_argument("--local-data", type=Path, default=None,
+                     help="supernode: this device's own training set (image folder, .npz/.npy, CSV) instead of its partition")
     dep.add_argument("--state-dir", type=Path, default=None,
                      help="supernode: folder for the ClientApp's memory between rounds (error feedback), kept across restarts")
     dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -123,6 +123,14 @@ def test_health_server_address_reaches_supernode_and_superlink(capsys):
     assert dry_run(capsys, "run", str(QUICKSTART), "--health", "1.2.3.4:5")[0] == 2
 
 
+def test_local_data_reaches_the_supernodes_node_config(capsys, tmp_path):
+    code, out, _ = dry_run(capsys, "supernode", "--partition", "2", "--num-partitions", "3", "--local-data", str(tmp_path / "imgs"))
+    assert code == 0
+    node = shlex.split(next(line for line in out.splitlines() if line.startswith("flower-supernode")))
+    config = node[node.index("--node-config") + 1]
+    assert config == f'partition-id=2 num-partitions=3 local-data="{tmp_path / "imgs"}"'
+
+
 def test_flower_supernode_takes_the_health_flag():
     """The flag fedsim passes is the one the installed flwr's SuperNode and SuperLink document."""
     import subprocess

@@ -90,9 +90,11 @@ def node_port(partition: int, port: int | None = None) -> int:
 def supernode_cmd(partition: int, num_partitions: int, superlink: str = "127.0.0.1:8000", port: int | None = None,
                   root_cert: Path | None = None, auth_key: Path | None = None, data_dir: Path | None = None,
                   max_retries: int | None = None, isolation: str = "subprocess", state_dir: Path | None = None,
-                  health_address: str | None = None) -> list[str]:
+                  health_address: str | None = None, local_data: Path | None = None) -> list[str]:
     """A SuperNode holding partition `partition` of `num_partitions` (its node config).
 
+    `local_data`: the device's own training set (an image folder, .npz/.npy or CSV; node config
+    `local-data`, docs/local_data.md), used instead of its partition of the central dataset;
     `data_dir`: the device's data folder; `state_dir`: where its ClientApp keeps its memory
     between rounds (error feedback), on the device's own disk, so a restarted device continues.
     `health_address`: where Flower's gRPC health service listens (`--health-server-address`, no
@@ -108,6 +110,8 @@ def supernode_cmd(partition: int, num_partitions: int, superlink: str = "127.0.0
         node_config += f' data-dir="{data_dir}"'
     if state_dir is not None:
         node_config += f' state-dir="{state_dir}"'
+    if local_data is not None:
+        node_config += f' local-data="{local_data}"'
     cmd = ["flower-supernode", "--superlink", superlink, "--port", str(node_port(partition, port)),
            "--node-config", node_config]
     if isolation == "process":
