@@ -40,8 +40,24 @@ def preflight(scenario, source: str = "<scenario>") -> None:
         except (DataFileError, ValueError) as err:
             field = "attack.edge_set" if hasattr(scenario.attack, "edge_set") else "attack"
             problems.append((field, str(err), scenario.attack.name))
+    problems += tracking_problems(scenario)
     if problems:
         raise ScenarioError(source, problems)
+
+
+def tracking_problems(scenario) -> list[tuple[str, str, object]]:
+    """A tracking sink whose library is missing, named before Ray starts (in the ServerApp it would
+    surface only as a failed run)."""
+    if not scenario.tracking:
+        return []
+    from fedsim.tracking.base import TrackingUnavailable
+    from fedsim.tracking.trackers import require_libraries
+
+    try:
+        require_libraries(scenario)
+    except TrackingUnavailable as err:
+        return [("tracking", str(err), [s.name for s in scenario.tracking])]
+    return []
 
 
 def model_problems(rt, data) -> list[tuple[str, str, object]]:

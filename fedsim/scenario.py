@@ -50,6 +50,16 @@ def _none_registered(kind: str, value: Any) -> Any:
     raise ValueError(f"no {kind} is registered")
 
 
+class LocalDPSection(Section):
+    """Local differential privacy (fedsim/privacy/local.py): every honest client clips its update to
+    L2 norm `clip` and adds N(0, (noise_multiplier·clip)²) to each coordinate before sending it."""
+
+    clip: float = Field(..., gt=0, description="C: the L2 bound of a client's update")
+    noise_multiplier: float = Field(..., ge=0, le=1e4, description="z: the noise std is z·C on every coordinate")
+    delta: float | None = Field(
+        None, gt=0, lt=1, description="δ of the per-client ε the server reports; default: the largest power of ten below 1/num_clients")
+
+
 class FederationSection(Section):
     num_clients: int = Field(20, ge=1, le=MAX_CLIENTS, description="registered clients (one partition each)")
     clients_per_round: int = Field(10, ge=1, le=MAX_CLIENTS, description="clients sampled per round (<= num_clients)")
@@ -71,6 +81,8 @@ class FederationSection(Section):
     ray_address: str | None = Field(
         None, description="attach to this running Ray cluster ('auto', 'HOST:6379'; default: $RAY_ADDRESS, else start one)"
     )
+    local_dp: LocalDPSection | None = Field(
+        None, description="local differential privacy on the clients: {clip, noise_multiplier} (docs/privacy.md)")
 
 
 class InitSection(Section):
@@ -178,6 +190,18 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
     check = AGGREGATORS.get(sc.aggregator.name).capability("scenario_check")
     if check is not None:  # a protocol's own refusals (FedMA: no codecs, defenses, low rank, ...)
         out += check(sc)
+    if fed.local_dp is not None:  # what local DP's per-client noise cannot serve
+        why = None
+        if AGGREGATORS.get(sc.aggregator.name).capability("protocol") is not None:
+            why = "runs its own client protocol, whose messages local DP does not privatize"
+        elif getattr(sc.aggregator, "redundancy", False):
+            why = "votes on the bit-identical updates of a redundant group, which per-client noise makes differ"
+        if why:
+            out.append(("federation.local_dp", f"aggregator {sc.aggregator.name} {why}; drop one of the two", sc.aggregator.name))
+    for i, d in enumerate(sc.defenses):  # a defense's own refusals (DP-FedAvg: the mean, and last)
+        defense_check = DEFENSES.get(d.name).capability("scenario_check")
+        if defense_check is not None:
+            out += defense_check(sc, i)
     if sc.lowrank is not None:
         # defenses that declare they rely on the model's tensors staying as they are (a per-layer
         # history, named layers): fixed_layers(spec) -> bool in their registry entry
@@ -195,6 +219,10 @@ def build_scenario_model() -> type[BaseModel]:
     Dataset, Partition = component(DATASETS, "digits"), component(PARTITIONERS, "dirichlet")
     Model, Aggregator = component(MODELS, "mlp"), component(AGGREGATORS, "fedavg")
     Defense, Attack, Compressor = component(DEFENSES), component(ATTACKS), component(COMPRESSORS, "none")
+    # imported here: fedsim.tracking imports the run folder, which imports this module
+    from fedsim.tracking.base import SINKS, distinct_sinks
+
+    TrackingSink = component(SINKS)
 
     class DataSection(Section):
         dataset: Dataset = "digits"
@@ -218,6 +246,8 @@ def build_scenario_model() -> type[BaseModel]:
         server: ServerSection = Field(default_factory=ServerSection)
         evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
         output: OutputSection = Field(default_factory=OutputSection)
+        tracking: Annotated[list[TrackingSink], AfterValidator(distinct_sinks)] = Field(
+            default_factory=list, description="copy the run into tensorboard / mlflow / wandb as it runs (docs/tracking.md)")
 
     return Scenario
 

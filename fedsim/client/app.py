@@ -32,6 +32,7 @@ from flwr.clientapp import ClientApp
 from fedsim.attacks.base import AttackerRound, attacker_train_config
 from fedsim.data.local import NODE_CONFIG_KEY as LOCAL_DATA
 from fedsim.runs.checkpoint import load_client, save_client
+from fedsim.privacy.local import privatize_release
 from fedsim.registry import AGGREGATORS
 from fedsim.runtime import runtime_for
 from fedsim.seeding import TRAIN, derive_seed
@@ -181,7 +182,10 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         train_seconds = time.perf_counter() - train_started
         if state and int(state.pop("layout-dim", [layout.dim])[0]) != layout.dim:
             state = {}  # the model was factorized since: old residuals no longer fit
-        payload, state = rt.codec.encode(result.delta, layout, state)
+        delta = result.delta
+        if not attacking(rt, pid):  # local DP: an honest update is clipped and noised before it leaves (docs/privacy.md)
+            delta = privatize_release(delta, rt.scenario.federation.local_dp, rt.scenario.seed, rnd, pid)
+        payload, state = rt.codec.encode(delta, layout, state)
         if state:
             state["layout-dim"] = np.array([layout.dim], dtype=np.int64)
         state.update({ATTACK_MEMORY + k: np.asarray(v) for k, v in memory.items()})

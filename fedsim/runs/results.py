@@ -9,6 +9,7 @@ import os
 import platform
 from pathlib import Path
 
+from fedsim.privacy.local import LocalPrivacyLedger
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.lifecycle import backdoor_lifecycle
 from fedsim.scenario import scenario_dict
@@ -59,11 +60,37 @@ def _versions() -> dict:
     return {"fedsim": __version__, "flwr": flwr.__version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
+def central_privacy(rounds: list[dict]) -> dict | None:
+    """The ε a differentially private defense (dp_fedavg) reported in the last round it accounted
+    for, or None when none ran. `epsilon` null means infinite (no noise)."""
+    for r in reversed(rounds):
+        for name, info in (r.get("defenses") or {}).items():
+            if isinstance(info, dict) and "epsilon" in info and "accountant" in info:
+                return {"epsilon": info["epsilon"], "delta": info["delta"], "accountant": info["accountant"],
+                        "rounds": info["rounds"], "defense": name}
+    return None
+
+
+def local_privacy(scenario, rounds: list[dict]) -> dict | None:
+    """The per-client ε of local DP (federation.local_dp) after the rounds' releases: that of the
+    client sampled most often, which bounds every client's; None without local DP."""
+    settings = scenario.federation.local_dp
+    if settings is None:
+        return None
+    ledger = LocalPrivacyLedger(settings, scenario.federation.num_clients)
+    for r in rounds:
+        if r["round"] > 0:
+            ledger.count(r.get("sampled", []))
+    return ledger.report()
+
+
 def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
     def series(key):  # training rounds only: round 0 is the initial (possibly pre-trained) model
         return [(r["round"], r[key]) for r in rounds if r.get(key) is not None and r["round"] > 0]
 
     acc, bd = series("main_accuracy"), series("backdoor_success")
+    privacy = {k: v for k, v in (("privacy", central_privacy(rounds)), ("local_privacy", local_privacy(scenario, rounds)))
+               if v is not None}  # present only when the run had differential privacy
     return _clean(
         {
             "name": scenario.name,
@@ -79,6 +106,7 @@ def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
             "rounds_skipped": [r["round"] for r in rounds if r.get("skipped")],
             "detection": run_detection(rounds),
             "backdoor_lifecycle": backdoor_lifecycle(rounds, scenario.evaluation.implant_threshold),
+            **privacy,
             "versions": _versions(),
             "scenario": scenario_dict(scenario),
             **extra,

@@ -20,6 +20,7 @@ from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import append_round, every_round_skipped, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
 from fedsim.server.strategy import ScenarioStrategy
+from fedsim.tracking import Trackers
 from fedsim.wire import pack_model
 
 log = logging.getLogger("fedsim")
@@ -53,12 +54,14 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
     `node_map(grid, timeout)` gives the simulation engine's {partition id: node id} (see
     ScenarioStrategy.discover_nodes); `options` are the engine's (fedsim/engine/options.py).
     """
+    trackers = Trackers.of(scenario, run_dir)  # a sink whose library is missing fails here, before any round
     rt = runtime_for(scenario)
     fed = scenario.federation
     run_dir = RunFolder.of(run_dir)
 
     def on_round(record: dict) -> None:
         append_round(run_dir, record)
+        trackers.log_round(record)
         if progress is not None:
             progress(record)
 
@@ -77,11 +80,17 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
             )
         except RunStopped:
             strategy.wait_for_lines()  # a completed round's evaluation still running keeps its line
+            trackers.close()
+            raise
+        except BaseException:
+            trackers.close()  # the tracking runs end as stopped; a resume continues them
             raise
 
     def complete() -> dict:
         strategy.wait_for_lines()
-        return finish(run_dir, scenario, rt)
+        summary = finish(run_dir, scenario, rt)
+        trackers.finish(summary)  # after summary.json: tracking is a copy of the run folder
+        return summary
 
     return complete
 

@@ -51,6 +51,15 @@ def update_norms(batch: UpdateBatch, strikers: set[int]) -> tuple[dict[int, floa
     return attackers, (float(np.median(honest)) if honest else None)
 
 
+def make_defense(spec, scenario):
+    """A defense instance; one registered `with_federation=True` is also given the federation
+    section (DP-FedAvg: its sampling rate, noise denominator and default δ)."""
+    entry = DEFENSES.get(spec.name)
+    if entry.capability("with_federation", False):
+        return entry.obj(spec, federation=scenario.federation)
+    return entry.obj(spec)
+
+
 @dataclass
 class RoundOutcome:
     """What the pipeline made of a round: the aggregate (None when skipped) and what each step reported."""
@@ -78,7 +87,7 @@ class RoundPipeline:
         self.attack_takes_rule = bool(entry and entry.capability("with_rule", False))  # craft(..., rule=) tunes itself
         if self.attack_stateful:  # its own instance, as the defenses: the runtime's may serve several runs of a process
             self.attack = type(self.attack)(self.attack.params)
-        self.defenses = [(d.name, DEFENSES.get(d.name).obj(d)) for d in scenario.defenses]
+        self.defenses = [(d.name, make_defense(d, scenario)) for d in scenario.defenses]
         self.previous_aggregate: torch.Tensor | None = None  # what the last aggregated round applied (ctx)
 
     @property

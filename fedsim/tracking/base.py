@@ -1,0 +1,111 @@
+"""What every tracking sink shares: its registry, its calling convention and the flattening of a
+round line, a summary or the scenario into the flat names the tracking libraries take.
+
+A sink's parameters are validated with the scenario (clients validate it too), so this module and
+the sinks' parameter models import no tracking library: each sink imports its own in `open`, on
+the server, and `require` checks beforehand that it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from fedsim.registry import Registry
+
+SINKS = Registry("tracking sink")
+EXTRA = "pip install 'fedsim[tracking]'"
+
+
+class TrackingUnavailable(RuntimeError):
+    """A configured sink whose library is not installed: raised before the first round."""
+
+
+def require(sink: str, modules: tuple[str, ...]) -> None:
+    """Raise TrackingUnavailable naming the extra when one of `modules` cannot be imported."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise TrackingUnavailable(
+            f"tracking sink {sink!r} needs {', '.join(missing)}, which is not installed: {EXTRA} "
+            f"(or remove {sink} from the scenario's tracking list)")
+
+
+class Sink(ABC):
+    """One tracking library's side of a run. `Trackers` calls, in this order: `open` once (at the
+    first round line of this start), `log_metrics` per round line, then `finish` with the summary
+    and the plots, or `close` for a run that stopped early. The folder of each run is `run_dir`;
+    `name` (the run folder's name) names the run in the library's own UI."""
+
+    def __init__(self, spec, run_dir: Path, name: str, state: dict) -> None:
+        self.spec, self.run_dir, self.name = spec, run_dir, name
+        self.state = state  # this sink's entry of the run folder's tracking.json (ids to resume by)
+
+    @abstractmethod
+    def open(self, params: dict[str, Any], first_step: int) -> None:
+        """Start (or, from `state`, continue) the library's run; `params` is the flat scenario;
+        `first_step` the first round this start logs (after a resume: the round after the checkpoint)."""
+
+    @abstractmethod
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """One round line's numbers, at step = its round."""
+
+    @abstractmethod
+    def finish(self, summary: dict[str, float], step: int, plots: list[Path]) -> None:
+        """The summary's numbers (`summary/...`), the report's figures, then end the run as finished."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """End the run without a summary (the run stopped early; a resume may continue it)."""
+
+
+def flat_metrics(record: dict, skip: frozenset[str] = frozenset()) -> dict[str, float]:
+    """The finite numbers of a round line or summary, nested dicts joined with '/'
+    (`detection/tpr`, `bytes_up_per_client/3`); strings, lists, booleans, None and NaN left out,
+    as rounds.jsonl writes NaN as null. Top-level keys in `skip` are left out too."""
+    out: dict[str, float] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, name + "/")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                out[name] = float(value)
+
+    walk({k: v for k, v in record.items() if k not in skip}, "")
+    return out
+
+
+def flat_params(scenario: dict) -> dict[str, Any]:
+    """The resolved scenario as `section.key` parameters (the names `--set` takes); lists and
+    mappings inside lists stay whole values (`defenses`: a list of components)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(scenario, "")
+    return out
+
+
+def param_text(value: Any) -> str:
+    """A parameter as text: strings as they are, everything else as JSON (`true`, `null`, `[64]`)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def distinct_sinks(sinks: list) -> list:
+    """The scenario's `tracking` list, each sink named once: a run has one run per library, and
+    tracking.json keeps its ids by sink name."""
+    names = [s.name for s in sinks]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed more than once; list each sink once")
+    return sinks
