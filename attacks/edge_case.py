@@ -18,6 +18,8 @@ The prox attack of the official code (`--prox_attack`) is not implemented.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Literal
 
 import numpy as np
@@ -25,7 +27,8 @@ import torch
 from pydantic import Field
 
 from fedsim.attacks.base import AttackParams, ClientAttack
-from fedsim.data.edge import ArdisEdge, EdgeSpec, SouthwestEdge, TailEdge, build_ardis, build_southwest, build_tail
+from fedsim.data.edge import ArdisEdge, EdgeSet, EdgeSpec, SouthwestEdge, TailEdge, build_ardis, build_southwest, build_tail
+from fedsim.diskcache import cached_arrays, key_of
 from fedsim.registry import ATTACKS
 
 
@@ -50,6 +53,34 @@ class EdgeCaseParams(AttackParams):
     lr: float | None = Field(None, gt=0, description="attacker's lr; default: the honest clients' lr")
 
 
+def _plain(value):
+    """numpy scalars and arrays in the density report, as JSON takes them."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+def cached_tail(data, spec: TailEdge, seed: int) -> EdgeSet:
+    """`build_tail`, once per machine: the density fit and the ladder take minutes on MNIST, and every
+    process that needs the set (each Ray worker, the evaluator, a device's fresh ClientApp per
+    message) would redo them. Kept in the disk cache (fedsim/diskcache.py) by the data's content,
+    the spec, the seed and the library versions."""
+    from fedsim.runtime import versions
+
+    digest = hashlib.sha256()
+    for a in (data.x_train, data.y_train):
+        digest.update(np.ascontiguousarray(a).data)
+
+    def build() -> dict[str, np.ndarray]:
+        edge = build_tail(data, spec, seed)
+        report = np.frombuffer(json.dumps(edge.density, default=_plain).encode(), dtype=np.uint8)
+        return {"x_train": edge.x_train, "x_test": edge.x_test, "density": report,
+                "classes": np.array([edge.target, -1 if edge.source is None else edge.source])}
+
+    a = cached_arrays("tail-set", key_of(digest.hexdigest(), spec.model_dump(mode="json"), seed, versions()), build)
+    target, source = (int(v) for v in a["classes"])
+    return EdgeSet(np.asarray(a["x_train"]), np.asarray(a["x_test"]), target, None if source < 0 else source,
+                   json.loads(bytes(np.asarray(a["density"])).decode()))
+
+
 @ATTACKS.register("edge_case", EdgeCaseParams)
 class EdgeCaseBackdoor(ClientAttack):
     """Edge-case backdoor (Attack of the Tails): tail inputs relabelled to a target class."""
@@ -59,7 +90,7 @@ class EdgeCaseBackdoor(ClientAttack):
         key = ("edge_set", spec, runtime.scenario.seed)
         if key not in runtime.cache:
             if isinstance(spec, TailEdge):
-                edge = build_tail(runtime.data, spec, runtime.scenario.seed)
+                edge = cached_tail(runtime.data, spec, runtime.scenario.seed)
             elif isinstance(spec, ArdisEdge):
                 edge = build_ardis(runtime.load_dataset("ardis"), spec, runtime.scenario.seed)
             elif isinstance(spec, SouthwestEdge):

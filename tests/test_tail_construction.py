@@ -349,3 +349,31 @@ def test_attack_report_carries_the_chosen_rung_and_the_ladder():
     import json
 
     json.dumps(check)  # summary.json takes it as it is
+
+
+def test_a_tail_set_is_built_once_per_machine_and_read_back_identical(tmp_path, monkeypatch):
+    """Issue #21: every process that needs the set (Ray workers, the evaluator, a device's fresh
+    ClientApp per message) used to redo the density fit and the ladder. The disk cache returns
+    what build_tail returns, and a fresh runtime does not build it again."""
+    import fedsim.attacks.edge_case as edge_case_module
+    from fedsim.runtime import Runtime
+
+    monkeypatch.setenv("FEDSIM_CACHE_DIR", str(tmp_path))
+    sc = load_scenario("scenarios/quickstart.yaml", ["attack.edge_set={name: tail, source_class: 7, target_class: 1}"])
+    rt = Runtime(sc)
+    first = rt.attack.edge_set(rt)
+    fresh = build_tail(rt.data, sc.attack.edge_set, sc.seed)
+    assert np.array_equal(first.x_train, fresh.x_train) and np.array_equal(first.x_test, fresh.x_test)
+    assert (first.target, first.source) == (fresh.target, fresh.source) == (1, 7)
+    assert first.density["chosen"] == fresh.density["chosen"]
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("the tail set was built again")
+
+    monkeypatch.setattr(edge_case_module, "build_tail", no_rebuild)
+    again = Runtime(sc)
+    second = again.attack.edge_set(again)
+    assert np.array_equal(second.x_train, first.x_train) and second.density == first.density
+    other = load_scenario("scenarios/quickstart.yaml", ["seed=5", "attack.edge_set={name: tail, source_class: 7, target_class: 1}"])
+    with pytest.raises(AssertionError, match="built again"):  # another seed is another set
+        Runtime(other).attack.edge_set(Runtime(other))
