@@ -380,3 +380,31 @@ def test_a_short_run_records_epsilon_each_round_and_in_the_summary(tmp_path):
     assert eps == [gaussian_epsilon(1.0, 0.5, k, 0.1) for k in (1, 2)]
     summary = json.loads(run.summary_file.read_text())
     assert summary["privacy"] == {"epsilon": eps[-1], "delta": 0.1, "accountant": "rdp", "rounds": 2, "defense": "dp_fedavg"}
+
+
+def test_local_dp_noises_honest_uploads_and_each_round_line_counts_the_releases(tmp_path):
+    """With federation.local_dp every honest upload is clipped and noised on the client (its norm is
+    about z·C·sqrt(d)), and each round's `local_privacy` is the most-sampled client's ε so far,
+    recounted by hand from the lines' `sampled` lists."""
+    from collections import Counter
+
+    from fedsim.client.app import make_client_app
+    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.runs.folder import RunFolder
+    from fedsim.runs.results import read_rounds
+    from fedsim.server.app import run_server
+
+    sc = load_scenario(str(ROOT / "scenarios/quickstart.yaml"), [
+        "federation.num_clients=6", "federation.clients_per_round=3", "federation.rounds=3", "federation.local_epochs=1",
+        "attack=null", "federation.local_dp={clip: 1.0, noise_multiplier: 1.0}"])
+    run = RunFolder.create(sc, tmp_path)
+    run_server(LocalGrid(make_client_app(sc), 6), sc, run)
+    lines = [r for r in read_rounds(run) if r["round"] > 0]
+    d = lines[0]["model_params"]
+    counts = Counter()
+    for line in lines:
+        counts.update(line["sampled"])
+        most = max(counts.values())
+        assert line["local_privacy"]["releases"] == most
+        assert line["local_privacy"]["epsilon"] == pytest.approx(local_epsilon(1.0, most, line["local_privacy"]["delta"]))
+        assert 0.8 * d ** 0.5 < line["honest_update_norm_median"] < 1.2 * d ** 0.5  # the noise dominates: ~ z·C·sqrt(d)

@@ -12,7 +12,7 @@ Which fields a line has:
   when a client-side attacker took part, `rounds_since_attack` when the scenario has an attack), plus, once its updates
   reached the defenses and rule, `detection`, and, when it was aggregated (`skipped` is null),
   `aggregated`, `global_norm` and `model_params`;
-- with a certifying defense (CRFL), on its rounds, `certification`;
+- with a certifying defense (CRFL), on its rounds, `certification`; with `federation.local_dp`, `local_privacy`;
 - with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
   DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields.
 """
@@ -49,6 +49,7 @@ class RoundRecord:
     attacker_update_norms: dict | _Unset = UNSET  # attacker -> L2 norm of its decoded update (as a server-side attack crafted it)
     attack: dict | _Unset = UNSET  # a server-side attack's choices this round (γ, z, λ, mimicked client, ...)
     attacker_train_seconds: dict | _Unset = UNSET  # client-side attacker -> seconds of its local training (its cost)
+    local_privacy: dict | _Unset = UNSET  # with federation.local_dp: the most-sampled client's ε so far (fedsim/privacy/local.py)
     rounds_since_attack: int | None | _Unset = UNSET  # with an attack: rounds since the last round with an attacker
     #   (0 in an attack round, null before the first): the x axis of a durability curve
     honest_update_norm_median: float | None | _Unset = UNSET  # median L2 norm of the honest decoded updates

@@ -34,6 +34,7 @@ from fedsim.runs.folder import RunFolder
 from fedsim.compression.base import PayloadError
 from fedsim.engine.options import EngineOptions
 from fedsim.lowrank.switch import LowRankSwitch
+from fedsim.privacy.local import LocalPrivacyLedger
 from fedsim.server.evaluation import CentralEvaluator
 from fedsim.server.detection import round_detection
 from fedsim.server.optimizer import ServerOptimizer
@@ -123,6 +124,9 @@ class ScenarioStrategy(Strategy):
         self._last_attack_round: int | None = None  # see rounds_since_attack
         self._looked_back = False
         self._timing: dict[int, dict[str, float]] = {}  # round -> seconds spent per step (logged)
+        local_dp = self.scenario.federation.local_dp  # each client's own ε under local DP, counted here
+        self.local_privacy = LocalPrivacyLedger(local_dp, self.scenario.federation.num_clients) if local_dp else None
+        self._counted_round = 0  # the ledger holds rounds 1.._counted_round (a resumed run catches up by re-sampling)
         self._sent_at = self.t_round  # when this round's messages were handed to Flower
         self._closing: Background | None = None  # the previous round's evaluation and line, if still running
         self._line_at: float | None = None  # when the last round line of this run was written
@@ -240,6 +244,12 @@ class ScenarioStrategy(Strategy):
             self.pending.groups = groups
         if self.scenario.attack is not None:
             self.pending.rounds_since_attack = self.rounds_since_attack(server_round, bool(strikers))
+        if self.local_privacy is not None:
+            for earlier in range(self._counted_round + 1, server_round):  # sampling is seeded per round: replayable
+                self.local_privacy.count(self.sample(earlier)[0])
+            self.local_privacy.count(sampled)
+            self._counted_round = server_round
+            self.pending.local_privacy = self.local_privacy.report()
         self._sent_at = time.perf_counter()
         self._timing[server_round] = {"encode": self._sent_at - self.t_round}
         return [msg for msg, _ in sent]
