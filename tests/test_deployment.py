@@ -267,3 +267,61 @@ def test_a_run_whose_every_round_is_skipped_fails_under_flwr_run(cluster, tmp_pa
     rounds = read_rounds(cluster.run_dir())
     assert len(rounds) == 2 and all(r["skipped"] and "2" in r["rejected"] for r in rounds)
     assert "finished:failed" in capfd.readouterr().err
+
+
+def digits_png_folder(folder: Path, per_class: int = 4) -> int:
+    """A device's own images: the first `per_class` digits images of each class as PNGs in class
+    folders, pixels on scikit-learn's 0..16 scale (what the digits dataset's model expects)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    count = 0
+    for label in range(10):
+        (folder / str(label)).mkdir(parents=True)
+        for k, idx in enumerate((d.target == label).nonzero()[0][:per_class]):
+            Image.fromarray(d.images[idx].astype("uint8"), mode="L").save(folder / str(label) / f"{k}.png")
+            count += 1
+    return count
+
+
+def test_a_device_training_on_its_own_image_folder_beside_partition_nodes(cluster):
+    """Issue #21: SuperNode 1 trains on its own folder of images (`--local-data`), the others on their
+    partitions; the run gives what the same mix gives in-process, and node 1 reports its folder's size."""
+    from flwr.app import Context
+
+    from fedsim.client.app import make_client_app
+    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.runs.folder import RunFolder
+    from fedsim.scenario import load_scenario
+    from fedsim.server.app import run_server
+
+    own = cluster.tmp / "device1_images"
+    count = digits_png_folder(own)
+    overrides = ["attack=null", "federation.num_clients=3", "federation.clients_per_round=3", "federation.rounds=2",
+                 "federation.round_timeout=300"]
+    cluster.superlink()
+    for i in range(3):
+        cluster.supernode(i, 3, local_data=own if i == 1 else None)
+    run = cluster.run(overrides)
+    summary = wait_summary(cluster, 600, run)
+    rounds = read_rounds(cluster.run_dir())
+    assert summary["rounds_completed"] == 2 and all(r["sampled"] == [0, 1, 2] and not r["rejected"] for r in rounds)
+
+    scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)
+    app = make_client_app(scenario)
+    reported = {}
+
+    def device(msg, ctx):
+        if int(ctx.node_config["partition-id"]) == 1:
+            ctx = Context(run_id=ctx.run_id, node_id=ctx.node_id, state=ctx.state, run_config=ctx.run_config,
+                          node_config={**ctx.node_config, "local-data": str(own)})
+        reply = app(msg, ctx)
+        if not reply.has_error() and "metrics" in reply.content:
+            reported[int(ctx.node_config["partition-id"])] = int(reply.content["metrics"]["num-examples"])
+        return reply
+
+    local_dir = RunFolder.create(scenario, cluster.tmp / "local").path
+    run_server(LocalGrid(device, 3), scenario, local_dir)
+    assert reported[1] == count
+    assert strip(read_rounds(local_dir)) == strip(rounds)  # only the transport differs
