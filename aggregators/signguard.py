@@ -45,7 +45,6 @@ import warnings
 import numpy as np
 import torch
 from pydantic import Field, model_validator
-from sklearn.cluster import MeanShift, estimate_bandwidth
 
 from fedsim.aggregators.base import AggregationError, check_inputs
 from fedsim.registry import AGGREGATORS, Params
@@ -77,6 +76,8 @@ def sign_features(updates: torch.Tensor, start: int, k: int) -> np.ndarray:
 
 def largest_cluster(features: np.ndarray, bandwidth_quantile: float, seed: int) -> np.ndarray:
     """[n] bool: the members of MeanShift's largest cluster (orphans belong to none)."""
+    from sklearn.cluster import MeanShift, estimate_bandwidth  # imported here: scikit-learn costs ~1 s at start-up
+
     bandwidth = float(estimate_bandwidth(features, quantile=bandwidth_quantile, n_samples=BANDWIDTH_SAMPLES,
                                          random_state=seed))
     if bandwidth > 0.0:

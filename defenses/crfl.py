@@ -69,7 +69,6 @@ from typing import Literal
 import numpy as np
 import torch
 from pydantic import Field
-from scipy import stats
 
 from fedsim.defenses.base import Defense
 from fedsim.defenses.clipping import gaussian_like
@@ -211,6 +210,8 @@ def probability_bounds(n_a: np.ndarray, n_b: np.ndarray, m: int, alpha: float,
         margin = math.sqrt(math.log(1.0 / alpha) / (2.0 * m))
         return (np.maximum(PROB_CLAMP, n_a / m - margin), np.minimum(1.0 - PROB_CLAMP, n_b / m + margin))
     if method == "clopper_pearson":
+        from scipy import stats  # imported here, as the other scipy users in fedsim
+
         with np.errstate(invalid="ignore"):
             lower = np.where(n_a > 0, stats.beta.ppf(alpha, np.maximum(n_a, 1), m - n_a + 1), 0.0)
             upper = np.where(n_b < m, stats.beta.ppf(1.0 - alpha, n_b + 1, np.maximum(m - n_b, 1)), 1.0)
@@ -222,6 +223,8 @@ def contraction(params: CRFLParams, rnd: int | None) -> float:
     """Π_{t=t_adv+1}^{T−1} (2Φ(ρ_t/σ) − 1) · (2Φ(ρ_T/σ_T) − 1), or 1 (the conservative value) when T is unknown."""
     if rnd is None:
         return 1.0
+    from scipy import stats  # imported here, as the other scipy users in fedsim
+
     p = params
 
     def factor(t: int, sigma: float) -> float:

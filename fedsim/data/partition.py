@@ -3,6 +3,10 @@
 The partitioners run offline on an in-memory `datasets.Dataset` holding only the labels and the
 row index, so a partition is a list of row indices into the training arrays. The same seed gives
 the same split on the server and on every client.
+
+flwr-datasets (with `datasets`, pyarrow and pandas under it) is imported only when a partition is
+computed: a device install leaves it out (deploy/device-requirements.txt) and trains on a
+partition cached by fedsim/diskcache.py, or on its own data.
 """
 
 from __future__ import annotations
@@ -30,8 +34,24 @@ class ShardParams(Params):
     shard_size: int | None = Field(None, ge=1, description="rows per shard; default: as large as fits")
 
 
+MISSING_FLWR_DATASETS = (
+    "central partitions need flwr-datasets: pip install 'flwr-datasets>=0.6,<0.7', or give the node local-data"
+)
+
+
+def flwr_partitioner(name: str):
+    """flwr-datasets' partitioner class `name`; on a device installed without flwr-datasets, an
+    error that says what to install instead of a bare ModuleNotFoundError deep in a train message."""
+    try:
+        import datasets  # noqa: F401  (what _label_dataset builds on; flwr-datasets depends on it)
+        from flwr_datasets import partitioner
+    except ModuleNotFoundError as ex:
+        raise ModuleNotFoundError(f"{MISSING_FLWR_DATASETS} (missing module {ex.name!r})", name=ex.name) from ex
+    return getattr(partitioner, name)
+
+
 def _label_dataset(labels: np.ndarray, seed: int | None = None):
-    import datasets
+    import datasets  # flwr_partitioner has checked that it is installed
 
     ds = datasets.Dataset.from_dict({"label": labels.astype(np.int64), "idx": np.arange(len(labels))})
     return ds.shuffle(seed=seed) if seed is not None else ds
@@ -46,7 +66,7 @@ def _indices(partitioner, ds, num_partitions: int) -> list[np.ndarray]:
     it as row positions per partition, and the IID partitioner cuts the (shuffled) rows into
     contiguous shards (`Dataset.shard(contiguous=True)`). Anything else is loaded one by one.
     """
-    from flwr_datasets.partitioner import IidPartitioner
+    IidPartitioner = flwr_partitioner("IidPartitioner")
 
     partitioner.dataset = ds
     with warnings.catch_warnings():  # pyarrow deprecation noise from inside `datasets`
@@ -75,7 +95,7 @@ def _indices_one_by_one(partitioner, ids) -> list[np.ndarray]:
 @PARTITIONERS.register("iid", IidParams)
 def iid(labels: np.ndarray, num_partitions: int, seed: int, params: IidParams) -> list[np.ndarray]:
     """Uniform random split into equal parts (flwr-datasets IidPartitioner over a seeded shuffle)."""
-    from flwr_datasets.partitioner import IidPartitioner
+    IidPartitioner = flwr_partitioner("IidPartitioner")
 
     return _indices(IidPartitioner(num_partitions), _label_dataset(labels, seed), num_partitions)
 
@@ -83,7 +103,7 @@ def iid(labels: np.ndarray, num_partitions: int, seed: int, params: IidParams) -
 @PARTITIONERS.register("dirichlet", DirichletParams)
 def dirichlet(labels: np.ndarray, num_partitions: int, seed: int, params: DirichletParams) -> list[np.ndarray]:
     """Label skew: class shares per client drawn from Dirichlet(alpha) (flwr-datasets DirichletPartitioner)."""
-    from flwr_datasets.partitioner import DirichletPartitioner
+    DirichletPartitioner = flwr_partitioner("DirichletPartitioner")
 
     part = DirichletPartitioner(
         num_partitions,
@@ -100,7 +120,7 @@ def dirichlet(labels: np.ndarray, num_partitions: int, seed: int, params: Dirich
 @PARTITIONERS.register("shard", ShardParams)
 def shard(labels: np.ndarray, num_partitions: int, seed: int, params: ShardParams) -> list[np.ndarray]:
     """Pathological non-IID: sort by label, cut into shards, deal shards to clients (flwr-datasets ShardPartitioner)."""
-    from flwr_datasets.partitioner import ShardPartitioner
+    ShardPartitioner = flwr_partitioner("ShardPartitioner")
 
     part = ShardPartitioner(
         num_partitions,
