@@ -130,3 +130,21 @@ def test_a_central_partition_without_flwr_datasets_says_what_to_install(monkeypa
     with pytest.raises(ModuleNotFoundError, match="central partitions need flwr-datasets") as err:
         PARTITIONERS.get("iid").obj(labels, 2, 0, IidParams())
     assert MISSING_FLWR_DATASETS in str(err.value) and err.value.name == "flwr_datasets"
+
+
+def test_digits_without_scikit_learn_says_what_to_install(monkeypatch):
+    """A device install has no scikit-learn: the digits dataset must say so, not fail with a bare import error."""
+    import builtins
+
+    from fedsim.data.digits import DigitsParams, load_digits
+
+    real_import = builtins.__import__
+
+    def no_sklearn(name, *args, **kwargs):
+        if name == "sklearn" or name.startswith("sklearn."):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sklearn)
+    with pytest.raises(ModuleNotFoundError, match="ships with scikit-learn.*local-data"):
+        load_digits(None, DigitsParams())

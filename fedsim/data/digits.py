@@ -19,8 +19,13 @@ class DigitsParams(Params):
 @DATASETS.register("digits", DigitsParams)
 def load_digits(data_dir: Path | None, params: DigitsParams) -> ArrayDataset:
     """scikit-learn's 8x8 handwritten digits (1797 images, bundled, offline), scaled to [0, 1]."""
-    from sklearn.datasets import load_digits as sk_load
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits as sk_load
+        from sklearn.model_selection import train_test_split
+    except ModuleNotFoundError as err:  # a device install (deploy/device-requirements.txt) has no scikit-learn
+        raise ModuleNotFoundError(
+            f"the digits dataset ships with scikit-learn, which is not installed ({err.name} missing): "
+            "pip install 'scikit-learn>=1.4', or give the node local-data (docs/local_data.md)") from err
 
     x, y = sk_load(return_X_y=True)
     x = (x / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
