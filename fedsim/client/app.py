@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common import log as flwr_log
 
 from fedsim.attacks.base import AttackerRound, attacker_train_config
 from fedsim.data.local import NODE_CONFIG_KEY as LOCAL_DATA
@@ -141,11 +142,14 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
     from fedsim.deploy.run_config import scenario_from_context
 
     app = ClientApp()
+    # On a SuperNode (the scenario comes from the run config) the per-message lines go through
+    # Flower's logger, the one the node prints; in simulation through fedsim's, quiet by default.
+    say = flwr_log if scenario is None else log.log
     default_state_dir = str(state_dir) if state_dir is not None else None
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
-        log.info("query partition %d", partition_id(context))
+        say(logging.INFO, "query partition %d", partition_id(context))
         return Message(RecordDict({"info": MetricRecord({"partition-id": partition_id(context)})}), reply_to=msg)
 
     @app.train()
@@ -163,7 +167,7 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
                 raise ValueError(f"{LOCAL_DATA} {local_data_path(context)}: aggregator {aggregator}'s client "
                                  "protocol trains on the scenario's partitions; it does not take a device's own data")
             reply = protocol_step(rt, pid, msg, context)
-            log.info("round %s partition %d %s step: %.2f s", config.get("server-round", "?"), pid, aggregator,
+            say(logging.INFO, "round %s partition %d %s step: %.2f s", config.get("server-round", "?"), pid, aggregator,
                      time.perf_counter() - started)
             return reply
         rnd = int(config["server-round"])
@@ -200,7 +204,7 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
             content[ATTACK_METRICS_RECORD] = MetricRecord({"train-seconds": train_seconds})
         if result.shared is not None:
             content[BACKDOOR_RECORD] = pack_payload(result.shared)
-        log.info("round %d partition %d %s: %d examples%s, %.2f s", rnd, pid,
+        say(logging.INFO, "round %d partition %d %s: %d examples%s, %.2f s", rnd, pid,
                  "attacker" if attacking(rt, pid) else "honest", result.num_examples,
                  " (local data)" if data is not None else "", time.perf_counter() - started)
         return Message(content, reply_to=msg)
