@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from fedsim.devices import DeviceName, GpuShare
 from fedsim.registry import AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, Registry
 
 
@@ -76,6 +77,14 @@ class FederationSection(Section):
     client_cpus: float = Field(
         1.0, gt=0, description="CPUs per Ray client actor (1 on 2 cores gives 2 actors); a client trains with that many torch threads (at least 1)"
     )
+    client_gpus: GpuShare = Field(
+        0.0, ge=0, le=64, description="GPU share of each Ray client actor (0.25: four clients per GPU); 0: no GPU "
+        "for the simulation's clients (docs/gpu.md)")
+    device: DeviceName = Field(
+        "auto", description="where honest clients train: auto (CUDA when the client has a GPU, else CPU), cpu, cuda, "
+        "cuda:N; attackers train on CPU (docs/gpu.md)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="honest clients' training precision: fp32, or bf16 / fp16 autocast (fp16 with loss scaling)")
     round_timeout: float = Field(600.0, gt=0, description="seconds to wait for a round's replies")
     min_replies: int = Field(1, ge=1, description="skip the round (logged) when fewer valid updates arrive")
     ray_address: str | None = Field(
@@ -126,6 +135,7 @@ class Cuttlefish(Section):
 class EvaluationSection(Section):
     every: int = Field(1, ge=1, description="central evaluation every k rounds (and always the last)")
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
+    device: DeviceName = Field("auto", description="where the central evaluation runs: auto, cpu, cuda, cuda:N (docs/gpu.md)")
     batch_size: int = Field(
         64, ge=1,
         description="images per forward pass; 64 keeps a conv net's activations in cache (LeNet on MNIST, one thread: "
@@ -158,6 +168,9 @@ class ServerSection(Section):
     beta_1: float = Field(0.9, ge=0, lt=1, description="adam / yogi / adagrad: first-moment decay (Flower's default)")
     beta_2: float = Field(0.99, ge=0, lt=1, description="adam / yogi: second-moment decay (Flower's default)")
     tau: float = Field(1e-3, gt=0, le=1, description="adam / yogi / adagrad: adaptivity τ (Reddi et al.; Flower's default)")
+    device: DeviceName = Field(
+        "auto", description="where the defenses and the aggregation rule run on the round's updates: auto, cpu, cuda, "
+        "cuda:N (docs/gpu.md)")
 
 
 class OutputSection(Section):
@@ -232,6 +245,9 @@ def build_scenario_model() -> type[BaseModel]:
     class Scenario(Section):
         name: str = Field("scenario", pattern=r"^[A-Za-z0-9_.-]+$")
         seed: int = Field(0, ge=0, le=2**32 - 1, description="fixes every random stream (a 32-bit seed, as torch and numpy take)")
+        deterministic: bool = Field(
+            False, description="PyTorch's switches for reproducible runs, on the server and around each client's training "
+            "(docs/gpu.md)")
         data: DataSection = Field(default_factory=DataSection)
         model: Model = "mlp"
         init: InitSection = Field(default_factory=InitSection)

@@ -1,7 +1,16 @@
-"""Local training and evaluation loops, shared by honest clients, attackers and the server."""
+"""Local training and evaluation loops, shared by honest clients, attackers and the server.
+
+Training runs where `TrainConfig.device` says (CPU by default) at `TrainConfig.precision` (fp32 by
+default; bf16 / fp16 through torch.autocast): the model moves there once, each batch on its way in
+(pinned memory to CUDA), and the model is back where it came from when training returns, so the
+caller's update is computed on CPU, the wire format. Defaults keep CPU fp32 training bit for bit
+as it was. docs/gpu.md says which of these paths ran on real GPUs.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,6 +18,11 @@ import numpy as np
 import torch
 from torch import nn
 from torch.optim.sgd import sgd as torch_sgd  # the functional form torch.optim.SGD.step calls
+
+from fedsim.devices import deterministic_algorithms, resolve_device
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class SGD:
@@ -24,6 +38,7 @@ class SGD:
         self.params = [p for p in params]
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
+        self.param_groups = [{"params": self.params}]  # what torch.amp.GradScaler unscales (fp16)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -52,6 +67,64 @@ class TrainConfig:
     weight_decay: float = 0.0
     proximal_mu: float = 0.0  # FedProx: + μ/2·‖w − w_start‖² in the loss (Li et al. 2020); 0 = plain SGD
     max_steps: int | None = None  # stop after this many optimizer steps (1 with a full batch: FedSGD)
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto (fedsim/devices.py resolve_device)
+    precision: str = "fp32"  # fp32, or bf16 / fp16 autocast (fp16 with a GradScaler)
+    deterministic: bool = False  # PyTorch's reproducibility switches on while training (fedsim/devices.py)
+
+
+def autocast(device: torch.device, precision: str):
+    """The forward pass's precision: fp32 as is, bf16 / fp16 through torch.autocast on `device`."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto `device`; from CPU to CUDA through pinned memory, without blocking the host."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@contextlib.contextmanager
+def on_device(model: nn.Module, device: torch.device):
+    """`model` on `device` while the block runs, moved back where it was afterwards (once each way)."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    home = first.device if first is not None else device
+    if home == device:
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to(home)
+
+
+class LossSum:
+    """An epoch's summed loss: a Python float on CPU (as it always was), a float64 tensor on an
+    accelerator, so that no step waits for the device to report its loss. The same IEEE operations
+    in the same order either way: the two agree bit for bit (tested)."""
+
+    def __init__(self, on_host: bool) -> None:
+        self.on_host, self.total, self.count = on_host, 0.0, 0
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        if self.on_host:
+            self.total += loss.item() * n
+        else:
+            self.total = self.total + loss.detach().double() * n
+        self.count += n
+
+    def mean(self) -> float:
+        return float(self.total) / max(self.count, 1)
 
 
 def train(
@@ -67,62 +140,86 @@ def train(
 
     `after_step(batch_index, last_of_epoch)` runs after each optimizer step (PGD projection uses it).
     Returns the mean training loss (cross-entropy) of the last epoch and the number of steps.
+    The model trains on `cfg.device` and is back on its own device (CPU) when this returns.
     """
-    anchor = [p.detach().clone() for p in model.parameters()] if cfg.proximal_mu > 0 else None
+    check_precision(cfg.precision)
+    device = resolve_device(cfg.device, "TrainConfig.device")
+    # the switches first: CUBLAS_WORKSPACE_CONFIG must be set before the model's move starts CUDA
+    with deterministic_algorithms(cfg.deterministic), on_device(model, device):
+        anchor = [p.detach().clone() for p in model.parameters()] if cfg.proximal_mu > 0 else None
 
-    def loss_fn(xb: torch.Tensor, yb: torch.Tensor):
-        loss = nn.functional.cross_entropy(model(xb), yb)
-        if anchor is None:
-            return loss
-        return loss + 0.5 * cfg.proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor)), loss
+        def loss_fn(xb: torch.Tensor, yb: torch.Tensor):
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            if anchor is None:
+                return loss
+            return loss + 0.5 * cfg.proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor)), loss
 
-    return sgd_epochs(model, list(model.parameters()), x, y, cfg.batch_size, [cfg.lr] * cfg.epochs, cfg.momentum,
-                      cfg.weight_decay, seed, loss_fn, after_step, cfg.max_steps)
+        return sgd_epochs(model, list(model.parameters()), x, y, cfg.batch_size, [cfg.lr] * cfg.epochs, cfg.momentum,
+                          cfg.weight_decay, seed, loss_fn, after_step, cfg.max_steps, device=device,
+                          precision=cfg.precision, deterministic=cfg.deterministic)
 
 
 def sgd_epochs(
     model: nn.Module, params: list[torch.Tensor], x: np.ndarray, y: np.ndarray, batch_size: int, lrs: list[float],
     momentum: float, weight_decay: float, seed: int, loss_fn: Callable, after_step: Callable[[int, bool], None] | None = None,
-    max_steps: int | None = None,
+    max_steps: int | None = None, *, device: torch.device | str | None = None, precision: str = "fp32",
+    deterministic: bool = False,
 ) -> dict:
     """SGD on `params` over shuffled batches of (x, y), one epoch per entry of `lrs` (the lr of
     that epoch), on any loss: `loss_fn(xb, yb)` gives the objective, or (objective, the loss to
     report). The one training loop: honest clients (`train`) and attackers with their own
-    objective (Chameleon's contrastive stage) share its seeding, batching and step order."""
-    torch.manual_seed(seed)  # dropout masks
-    gen = torch.Generator().manual_seed(seed)
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    opt = SGD(params, lr=lrs[0] if lrs else 0.0, momentum=momentum, weight_decay=weight_decay)
-    model.train()
-    steps, last_loss, n = 0, float("nan"), len(xt)
-    num_batches = (n + batch_size - 1) // batch_size
-    for lr in lrs:
-        if max_steps is not None and steps >= max_steps:
-            break
-        opt.lr = lr
-        order = torch.randperm(n, generator=gen)
-        total, count = 0.0, 0
-        for b in range(num_batches):
-            idx = order[b * batch_size : (b + 1) * batch_size]
+    objective (Chameleon's contrastive stage) share its seeding, batching and step order.
+
+    `device` (default CPU), `precision` and `deterministic` as in TrainConfig. The shuffling
+    generator stays on CPU, so every device sees the same batches in the same order; only the
+    forward pass runs under autocast, and fp16 scales the loss with torch.amp.GradScaler (a fresh
+    scale per call: a step whose gradients overflow is skipped, as GradScaler does)."""
+    check_precision(precision)
+    device = torch.device("cpu") if device is None else resolve_device(device, "TrainConfig.device")
+    with deterministic_algorithms(deterministic), on_device(model, device):
+        torch.manual_seed(seed)  # dropout masks
+        gen = torch.Generator().manual_seed(seed)
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        opt = SGD(params, lr=lrs[0] if lrs else 0.0, momentum=momentum, weight_decay=weight_decay)
+        scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        model.train()
+        steps, last_loss, n = 0, float("nan"), len(xt)
+        num_batches = (n + batch_size - 1) // batch_size
+        for lr in lrs:
             if max_steps is not None and steps >= max_steps:
                 break
-            opt.zero_grad()
-            out = loss_fn(xt[idx], yt[idx])
-            objective, loss = out if isinstance(out, tuple) else (out, out)
-            objective.backward()
-            opt.step()
-            steps += 1
-            if after_step is not None:
-                after_step(b, b == num_batches - 1)
-            total += loss.item() * len(idx)
-            count += len(idx)
-        last_loss = total / max(count, 1)
-    return {"loss": last_loss, "steps": steps}
+            opt.lr = lr
+            order = torch.randperm(n, generator=gen)
+            losses = LossSum(on_host=device.type == "cpu")
+            for b in range(num_batches):
+                idx = order[b * batch_size : (b + 1) * batch_size]
+                if max_steps is not None and steps >= max_steps:
+                    break
+                opt.zero_grad()
+                with autocast(device, precision):
+                    out = loss_fn(to_device(xt[idx], device), to_device(yt[idx], device))
+                objective, loss = out if isinstance(out, tuple) else (out, out)
+                if scaler is None:
+                    objective.backward()
+                    opt.step()
+                else:
+                    scaler.scale(objective).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                steps += 1
+                if after_step is not None:
+                    after_step(b, b == num_batches - 1)
+                losses.add(loss, len(idx))
+            last_loss = losses.mean()
+        return {"loss": last_loss, "steps": steps}
 
 
 @torch.no_grad()
-def predict(model: nn.Module, x: np.ndarray, batch_size: int = 64, channels_last: bool = False) -> tuple[np.ndarray, torch.Tensor]:
-    """Predicted classes and logits, in eval mode, batch by batch.
+def predict(model: nn.Module, x: np.ndarray, batch_size: int = 64, channels_last: bool = False,
+            device: torch.device | None = None) -> tuple[np.ndarray, torch.Tensor]:
+    """Predicted classes and logits (on CPU), in eval mode, batch by batch.
+
+    `device`: where `model` already is (default CPU); batches go there, the logits come back once.
 
     `channels_last` runs image batches ([N, C, H, W]) in NHWC layout; the model must already be in
     that layout (`model.to(memory_format=torch.channels_last)`). On CPU, oneDNN's convolutions are
@@ -135,16 +232,20 @@ def predict(model: nn.Module, x: np.ndarray, batch_size: int = 64, channels_last
         batch = torch.from_numpy(chunk if chunk.flags.writeable else np.array(chunk))  # a memory-mapped set is read-only
         if channels_last and batch.ndim == 4:
             batch = batch.contiguous(memory_format=torch.channels_last)
+        if device is not None:
+            batch = to_device(batch, device)
         outs.append(model(batch))
     logits = torch.cat(outs) if outs else torch.empty(0)
+    if device is not None and device.type != "cpu":
+        logits = logits.cpu()
     return logits.argmax(1).numpy(), logits
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 64) -> dict:
-    """Top-1 accuracy and mean cross-entropy of `model` on (x, y)."""
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 64, device: torch.device | None = None) -> dict:
+    """Top-1 accuracy and mean cross-entropy of `model` (already on `device`, default CPU) on (x, y)."""
     if len(x) == 0:
         return {"accuracy": float("nan"), "loss": float("nan")}
-    pred, logits = predict(model, x, batch_size)
+    pred, logits = predict(model, x, batch_size, device=device)
     loss = nn.functional.cross_entropy(logits, torch.from_numpy(y)).item()
     return {"accuracy": float((pred == y).mean()), "loss": float(loss)}

@@ -37,6 +37,7 @@ from fedsim.privacy.local import privatize_release
 from fedsim.registry import AGGREGATORS
 from fedsim.runtime import runtime_for
 from fedsim.seeding import TRAIN, derive_seed
+from fedsim.devices import client_train_config
 from fedsim.training import TrainConfig, train
 from fedsim.wire import ATTACK_METRICS_RECORD, BACKDOOR_RECORD, pack_payload, unpack_model
 
@@ -118,13 +119,13 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
     seed = derive_seed(rt.scenario.seed, TRAIN, rnd, data_pid)
     if attack is not None:
         job = AttackerRound(rt, pid, rnd, model, global_vec, layout,
-                            attacker_train_config(attack.params, cfg, fed.lr_decay ** (rnd - 1)), seed, dict(config),
+                            attacker_train_config(attack.params, client_train_config(cfg, rt.scenario, attacker=True), fed.lr_decay ** (rnd - 1)), seed, dict(config),
                             memory if memory is not None else {})
         n, stats, info = attack.local_train(job)
         delta = attack.finish_update(layout.flatten_model(model) - global_vec, info)
         return LocalResult(delta, n, stats, attack.shared_state(job))
     x, y = data if data is not None else rt.client_data(data_pid)
-    stats = train(model, x, y, cfg, seed) if len(x) else {"loss": 0.0}
+    stats = train(model, x, y, client_train_config(cfg, rt.scenario), seed) if len(x) else {"loss": 0.0}
     return LocalResult(layout.flatten_model(model) - global_vec, len(x), stats)
 
 

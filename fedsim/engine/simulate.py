@@ -61,6 +61,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # see single_threaded_openblas() for why, and the client actors are single-threaded anyway.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from fedsim.devices import check_simulation_gpus  # noqa: E402
 from fedsim.engine import flower_compat  # noqa: E402
 from fedsim.engine.allocator import apply_to_this_process, in_child_environment  # noqa: E402
 from fedsim.engine.interrupt import RunStopped  # noqa: E402
@@ -91,8 +92,11 @@ def ray_address(scenario) -> str | None:
 
 
 def backend_config(scenario, verbose: bool) -> dict:
+    """Flower's backend config for the scenario; device settings the simulation cannot run are
+    refused here, before Ray starts (fedsim/devices.py check_simulation_gpus)."""
     init_args = {"logging_level": "INFO" if verbose else "ERROR", "log_to_driver": verbose, "include_dashboard": False}
     address = ray_address(scenario)
+    check_simulation_gpus(scenario, attached=bool(address))
     if address:
         # an existing cluster: its nodes bring their own CPUs and object stores
         init_args["address"] = address
@@ -104,7 +108,8 @@ def backend_config(scenario, verbose: bool) -> dict:
         # there (a client that crashes again is reported as rejected). Without them Flower's pool
         # keeps handing the dead actor later messages, and every one fails for the rest of the run.
         "client_resources": {
-            "num_cpus": scenario.federation.client_cpus, "num_gpus": 0.0, "max_restarts": -1, "max_task_retries": 1,
+            "num_cpus": scenario.federation.client_cpus, "num_gpus": scenario.federation.client_gpus,
+            "max_restarts": -1, "max_task_retries": 1,
         },
         "init_args": init_args,
     }
@@ -297,6 +302,7 @@ def simulate(scenario, run_dir: Path | RunFolder | None = None, verbose: bool = 
 
     quiet_logs(verbose)
     preflight(scenario)  # the data, edge sets and model, before Ray starts (cached for the server)
+    backend = backend_config(scenario, verbose)  # refuses GPU shares no GPU can serve, before anything starts
     if options.malloc_settings:
         apply_to_this_process()
     folder = RunFolder.create(scenario) if run_dir is None else RunFolder.at(RunFolder.of(run_dir).path, scenario)
@@ -317,7 +323,7 @@ def simulate(scenario, run_dir: Path | RunFolder | None = None, verbose: bool = 
                 client_app=client_app if client_app is not None else CompactClientApp.of(scenario, state_dir),
                 num_supernodes=scenario.federation.num_clients,
                 backend_name="ray",
-                backend_config=backend_config(scenario, verbose),
+                backend_config=backend,
                 verbose_logging=verbose,
             )
     except BaseException:

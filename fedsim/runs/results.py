@@ -9,6 +9,7 @@ import os
 import platform
 from pathlib import Path
 
+from fedsim.devices import determinism_report
 from fedsim.privacy.local import LocalPrivacyLedger
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.lifecycle import backdoor_lifecycle
@@ -108,6 +109,7 @@ def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
             "backdoor_lifecycle": backdoor_lifecycle(rounds, scenario.evaluation.implant_threshold),
             **privacy,
             "versions": _versions(),
+            "determinism": determinism_report(scenario),  # the server's switches (docs/gpu.md)
             "scenario": scenario_dict(scenario),
             **extra,
         }

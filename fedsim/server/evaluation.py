@@ -9,6 +9,7 @@ import copy
 import numpy as np
 import torch
 
+from fedsim.devices import resolve_device
 from fedsim.registry import DEFENSES
 from fedsim.seeding import SERVER, derive_seed, numpy_rng
 from fedsim.server.tools import server_sample
@@ -24,6 +25,7 @@ class CentralEvaluator:
         attacker's label are left out of `backdoor_success_beyond_clean`."""
         scenario = runtime.scenario
         self.batch_size = scenario.evaluation.batch_size
+        self.device = resolve_device(scenario.evaluation.device, "evaluation.device")
         self.x, self.y = runtime.data.x_test, runtime.data.y_test
         held = held_out_test(runtime)
         if held is not None:  # test examples the server holds as its own data are not evaluated on
@@ -73,15 +75,18 @@ class CentralEvaluator:
     def __call__(self, model: torch.nn.Module, rnd: int | None = None) -> dict:
         """One forward pass over each set: the source-class accuracy reuses the main predictions.
         With `rnd`, the certifying defenses' numbers of that round come under `certification`."""
-        channels_last = self.x.ndim == 4  # image models: NHWC convolutions are faster on CPU
+        on_cpu = self.device.type == "cpu"
+        channels_last = self.x.ndim == 4 and on_cpu  # image models: NHWC convolutions are faster on CPU
         if channels_last:
             model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # the caller's model keeps its layout
-        pred, logits = predict(model, self.x, self.batch_size, channels_last)
+        # a copy on the evaluation's device; certification below keeps the CPU model
+        net = model if on_cpu else copy.deepcopy(model).to(self.device)
+        pred, logits = predict(net, self.x, self.batch_size, channels_last, self.device)
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(self.y)).item() if len(self.y) else float("nan")
         out = {"main_accuracy": _share(pred == self.y), "main_loss": float(loss), "backdoor_success": None}
         if self.backdoor is not None:
             x_bd, targets = self.backdoor
-            hits = predict(model, x_bd, self.batch_size, channels_last)[0] == targets
+            hits = predict(net, x_bd, self.batch_size, channels_last, self.device)[0] == targets
             out["backdoor_success"] = _share(hits)
             if self.beyond_clean is not None:
                 out["backdoor_success_beyond_clean"] = _share(hits[self.beyond_clean])

@@ -98,7 +98,8 @@ class RoundPipeline:
             groups: list[list[int]] | None = None) -> RoundOutcome:
         """Aggregate one round; a rule or defense that cannot (AggregationError) skips the round with its reason."""
         out = RoundOutcome()
-        ctx = replace(ctx, previous_aggregate=self.previous_aggregate)
+        previous = self.previous_aggregate  # on the batch's device (a checkpoint's is on CPU)
+        ctx = replace(ctx, previous_aggregate=None if previous is None else previous.to(batch.updates.device))
         batch = self.server_attack(batch, strikers, ctx, out, groups)
         try:
             for name, defense in self.defenses:
@@ -180,7 +181,7 @@ class RoundPipeline:
             defense.load_state_dict(states.get(name, {}))
 
     def history(self) -> dict:
-        out = {"previous_aggregate": None if self.previous_aggregate is None else self.previous_aggregate.clone()}
+        out = {"previous_aggregate": None if self.previous_aggregate is None else self.previous_aggregate.to("cpu", copy=True)}
         if self.attack_stateful:
             out["attack"] = self.attack.state_dict()
         return out

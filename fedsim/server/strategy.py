@@ -32,6 +32,7 @@ from fedsim.attacks.schedules import sample_round
 from fedsim.runs.checkpoint import save_server
 from fedsim.runs.folder import RunFolder
 from fedsim.compression.base import PayloadError
+from fedsim.devices import deterministic_switches_on, resolve_device
 from fedsim.engine.options import EngineOptions
 from fedsim.lowrank.switch import LowRankSwitch
 from fedsim.privacy.local import LocalPrivacyLedger
@@ -104,6 +105,9 @@ class ScenarioStrategy(Strategy):
         self.node_map = node_map  # fedsim's simulation: (grid, timeout) -> {partition id: node id} (see discover_nodes)
         self.defer_last_round = defer_last_round  # evaluate the last round in the background too (see drive_server)
         self.rt = runtime
+        if runtime.scenario.deterministic:  # process-wide, before the server's first CUDA use (docs/gpu.md)
+            deterministic_switches_on()
+        self.device = resolve_device(runtime.scenario.server.device, "server.device")  # the defenses' and rule's
         self.checkpoint_to = checkpoint_to  # the run folder whose checkpoint/ gets the server's state each round
         self.offset = 0  # rounds already completed before this start (a resumed run)
         self.scenario = runtime.scenario
@@ -367,8 +371,10 @@ class ScenarioStrategy(Strategy):
             record.skipped = f"{len(rows)} valid updates, fewer than federation.min_replies={self.scenario.federation.min_replies}"
             log.warning("round %s skipped: %s", server_round, record.skipped)
             return None, None
-        ctx = RoundContext(server_round, self.global_vec, self.layout, torch_generator(self.scenario.seed, SERVER, server_round),
-                           tools=self.tools)
+        if self.device.type != "cpu":  # defenses and rule on the server's device; the global model stays on CPU
+            batch = UpdateBatch(batch.updates.to(self.device), batch.weights.to(self.device), batch.client_ids)
+        ctx = RoundContext(server_round, self.global_vec.to(self.device), self.layout,
+                           torch_generator(self.scenario.seed, SERVER, server_round), tools=self.tools)
         t_pipeline = time.perf_counter()
         outcome = self.pipeline.run(batch, strikers, ctx, record.groups or None)
         record.pipeline_seconds = time.perf_counter() - t_pipeline
@@ -386,7 +392,7 @@ class ScenarioStrategy(Strategy):
             log.warning("round %s skipped: %s", server_round, outcome.skipped)
             return None, None
         record.aggregated = outcome.aggregated
-        self.global_vec = self.server_opt.step(self.global_vec, outcome.aggregate, server_round)
+        self.global_vec = self.server_opt.step(self.global_vec, outcome.aggregate.cpu(), server_round)
         record.global_norm = float(torch.linalg.vector_norm(self.global_vec))
         self.global_vec, switch = self.lowrank.after_round(server_round, self.global_vec)
         if switch is not None:  # the model was factorized: last round's aggregate no longer fits it
