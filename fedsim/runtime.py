@@ -41,12 +41,16 @@ class Runtime:
 
             def load() -> dict[str, np.ndarray]:
                 d = entry.obj(data_dir, params)
-                return {"x_train": d.x_train, "y_train": d.y_train, "x_test": d.x_test, "y_test": d.y_test,
-                        "num_classes": np.array([d.num_classes])}
+                out = {"x_train": d.x_train, "y_train": d.y_train, "x_test": d.x_test, "y_test": d.y_test,
+                       "num_classes": np.array([d.num_classes])}
+                if d.groups is not None:  # each training example's writer / role (LEAF, Sentiment140)
+                    out["groups"] = d.groups
+                return out
 
             disk_key = key_of(name, params.model_dump(mode="json"), folder_fingerprint(data_dir), versions())
             a = cached_arrays("dataset", disk_key, load)
-            self.cache[key] = ArrayDataset(name, a["x_train"], a["y_train"], a["x_test"], a["y_test"], int(a["num_classes"][0]))
+            self.cache[key] = ArrayDataset(name, a["x_train"], a["y_train"], a["x_test"], a["y_test"], int(a["num_classes"][0]),
+                                           groups=a.get("groups"))
         return self.cache[key]
 
     @functools.cached_property
@@ -72,14 +76,19 @@ class Runtime:
     @functools.cached_property
     def partitions(self) -> list[np.ndarray]:
         spec = self.scenario.data.partition
-        fn = PARTITIONERS.get(spec.name).obj
+        entry = PARTITIONERS.get(spec.name)
         labels, n, seed = self.data.y_train, self.scenario.federation.num_clients, self.scenario.seed
+        # a natural partition (one writer per client) also needs each example's writer
+        extra = {"groups": self.data.groups} if entry.capability("needs_groups", False) else {}
 
         def compute() -> dict[str, np.ndarray]:
-            parts = fn(labels, n, seed, spec)
+            parts = entry.obj(labels, n, seed, spec, **extra)
             return {"indices": np.concatenate(parts), "sizes": np.array([len(p) for p in parts])}
 
-        key = key_of(hashlib.sha256(labels.tobytes()).hexdigest(), spec.model_dump(mode="json"), n, seed, versions())
+        content = hashlib.sha256(labels.tobytes())
+        if extra and self.data.groups is not None:
+            content.update(np.ascontiguousarray(self.data.groups).tobytes())
+        key = key_of(content.hexdigest(), spec.model_dump(mode="json"), n, seed, versions())
         a = cached_arrays("partition", key, compute)
         return np.split(a["indices"], np.cumsum(a["sizes"])[:-1])
 

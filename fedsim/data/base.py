@@ -19,8 +19,10 @@ class DataFileError(FileNotFoundError):
 class ArrayDataset:
     """Train/test arrays ready for a model: float32 inputs (normalised), int64 labels.
 
-    Images are `[N, C, H, W]`; tabular inputs are `[N, F]`. Datasets without labels (edge-case
-    image pools) carry `y_* = -1`.
+    Images are `[N, C, H, W]`; tabular inputs are `[N, F]`; text is int64 token indices `[N, L]`.
+    Datasets without labels (edge-case image pools) carry `y_* = -1`. `groups` is, for datasets
+    with natural owners (LEAF writers, play roles, tweet authors), the int64 owner id of each
+    training example, which the `natural` partitioner splits by; None elsewhere.
     """
 
     name: str
@@ -29,6 +31,7 @@ class ArrayDataset:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    groups: np.ndarray | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:

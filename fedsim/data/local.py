@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from fedsim.data import vision
 from fedsim.data.base import DataFileError
 from fedsim.data.loaders import CIFAR_NORMALIZATIONS, FASHION_MEAN, FASHION_STD, MNIST_MEAN, MNIST_STD, read_npz
 from fedsim.diskcache import folder_fingerprint
@@ -70,7 +71,8 @@ class DatasetFacts:
 
 
 # One entry per dataset a device can hold data of; `southwest` is left out: it is an unlabelled
-# edge-case pool, never a training set. A dataset's parameters may change its facts (CIFAR-10's
+# edge-case pool, never a training set; so are the text datasets (shakespeare, sentiment140): a
+# device's own data is read as images. A dataset's parameters may change its facts (CIFAR-10's
 # normalisation), so an entry is a function of the dataset's spec.
 FACTS: dict[str, Callable[[object], DatasetFacts]] = {
     "mnist": lambda spec: DatasetFacts("mnist", (1, 28, 28), 10, MNIST_MEAN, MNIST_STD),
@@ -79,6 +81,17 @@ FACTS: dict[str, Callable[[object], DatasetFacts]] = {
     "cifar10": lambda spec: DatasetFacts("cifar10", (3, 32, 32), 10, *CIFAR_NORMALIZATIONS[spec.normalization]),
     # scikit-learn's digits are whole numbers 0..16, scaled by 1/16 and not centred
     "digits": lambda spec: DatasetFacts("digits", (1, 8, 8), 10, (0.0,), (1.0,), pixel_max=16),
+    "cifar100": lambda spec: DatasetFacts(
+        "cifar100", (3, 32, 32), vision.CIFAR100_CLASSES[spec.labels], vision.CIFAR100_MEAN, vision.CIFAR100_STD
+    ),
+    "emnist": lambda spec: DatasetFacts(
+        "emnist", (1, 28, 28), vision.EMNIST_CLASSES[spec.split], vision.EMNIST_MEAN, vision.EMNIST_STD
+    ),
+    # LEAF stores FEMNIST pixels as pixel / 255, not centred: the model takes them as they are
+    "femnist": lambda spec: DatasetFacts("femnist", (1, 28, 28), 62, (0.0,), (1.0,)),
+    "tiny_imagenet": lambda spec: DatasetFacts(
+        "tiny_imagenet", (3, 64, 64), 200, vision.TINY_IMAGENET_MEAN, vision.TINY_IMAGENET_STD
+    ),
 }
 
 

@@ -1,0 +1,114 @@
+"""Sentiment140 (Go, Bhayani and Huang 2009) from its official CSV files, as fixed-length token ids.
+
+The CSVs are latin-1, without a header, one tweet per row: polarity, id, date, query, user, text.
+Polarity 0 is negative (label 0) and 4 positive (label 1); 2 (neutral) occurs only in the test
+file and its rows are dropped, since the training file has no neutral class to learn. Each
+training tweet keeps its author as `ArrayDataset.groups` (rank among the sorted user names), the
+natural client of LEAF's Sent140.
+
+Text is lower-cased and split by `TOKEN` (runs of letters and digits, an inner apostrophe kept:
+"don't" is one word). The vocabulary is the `vocab_size` most frequent training words, ties broken
+alphabetically; word i of it (0-based) has index i + 2, index 0 is padding and 1 every other word,
+so a model's embedding needs `vocab_size + 2` rows. A tweet keeps its first `max_len` tokens and is
+padded with 0 after them. Read with the csv module: no pandas on the import path.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from fedsim.data.base import ArrayDataset, DataFileError
+from fedsim.data.loaders import _missing
+from fedsim.data.natural import owner_ids
+from fedsim.registry import DATASETS, Params
+
+TRAIN_CSV = "training.1600000.processed.noemoticon.csv"
+TEST_CSV = "testdata.manual.2009.06.14.csv"
+TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
+PAD, UNKNOWN = 0, 1
+LABELS = {"0": 0, "4": 1}  # "2" (neutral) is dropped
+COLUMNS = ("polarity", "id", "date", "query", "user", "text")
+
+
+class Sentiment140Params(Params):
+    vocab_size: int = Field(10_000, ge=1, description="most frequent training words kept (ids 2..vocab_size+1)")
+    max_len: int = Field(40, ge=1, description="tokens per tweet: longer ones are cut, shorter ones padded with 0")
+
+
+def tokenize(text: str) -> list[str]:
+    return TOKEN.findall(text.lower())
+
+
+def build_vocabulary(token_lists, vocab_size: int) -> dict[str, int]:
+    """The `vocab_size` most frequent words (ties alphabetically) -> ids from 2, after padding and unknown."""
+    counts = Counter(w for tokens in token_lists for w in tokens)
+    ranked = sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))[:vocab_size]
+    return {w: i + 2 for i, (w, _) in enumerate(ranked)}
+
+
+def encode(token_lists: list[list[str]], vocab: dict[str, int], max_len: int) -> np.ndarray:
+    """int64 `[N, max_len]`: each list's first `max_len` word ids (UNKNOWN if not in `vocab`), PAD after."""
+    out = np.full((len(token_lists), max_len), PAD, dtype=np.int64)
+    for row, tokens in zip(out, token_lists):
+        ids = [vocab.get(w, UNKNOWN) for w in tokens[:max_len]]
+        row[: len(ids)] = ids
+    return out
+
+
+def read_sentiment_csv(path: Path) -> tuple[list[str], np.ndarray, list[str]]:
+    """Texts, labels (0 negative, 1 positive) and users of one official CSV; neutral rows are dropped."""
+    texts, labels, users = [], [], []
+    try:
+        with open(path, newline="", encoding="latin-1") as f:
+            reader = csv.reader(f)
+            for row in reader:
+                if len(row) != len(COLUMNS):
+                    raise DataFileError(
+                        f"{path}:{reader.line_num}: {len(row)} fields, expected {len(COLUMNS)} ({', '.join(COLUMNS)})"
+                    )
+                polarity = row[0].strip()
+                if polarity == "2":
+                    continue
+                if polarity not in LABELS:
+                    raise DataFileError(f"{path}:{reader.line_num}: polarity {row[0]!r}, expected 0, 2 or 4")
+                labels.append(LABELS[polarity])
+                users.append(row[4])
+                texts.append(row[5])
+    except csv.Error as e:
+        raise DataFileError(f"{path}: not a readable CSV: {e}") from e
+    except OSError as e:
+        raise DataFileError(f"{path}: cannot read: {e}") from e
+    if not texts:
+        raise DataFileError(f"{path}: no negative (0) or positive (4) tweets")
+    return texts, np.asarray(labels, dtype=np.int64), users
+
+
+@DATASETS.register("sentiment140", Sentiment140Params)
+def load_sentiment140(data_dir: Path, params: Sentiment140Params) -> ArrayDataset:
+    """Sentiment140 tweets (1.6M/359, 2 classes, neutral dropped) as int64 token ids [N, max_len], with each author."""
+    folders = (data_dir / "sentiment140", data_dir)
+    folder = next((d for d in folders if (d / TRAIN_CSV).is_file() and (d / TEST_CSV).is_file()), None)
+    if folder is None:
+        raise _missing(
+            "sentiment140",
+            [f"{d}/{TRAIN_CSV} and {d}/{TEST_CSV} (the official latin-1 CSVs: {','.join(COLUMNS)})" for d in folders],
+        )
+    tr_text, y_tr, users = read_sentiment_csv(folder / TRAIN_CSV)
+    te_text, y_te, _ = read_sentiment_csv(folder / TEST_CSV)
+    tr_tokens = [tokenize(t) for t in tr_text]
+    vocab = build_vocabulary(tr_tokens, params.vocab_size)
+    return ArrayDataset(
+        "sentiment140",
+        encode(tr_tokens, vocab, params.max_len),
+        y_tr,
+        encode([tokenize(t) for t in te_text], vocab, params.max_len),
+        y_te,
+        num_classes=2,
+        groups=owner_ids(users),
+    )
