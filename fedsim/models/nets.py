@@ -103,24 +103,31 @@ def vgg9(
 
 
 def head(model: nn.Module) -> nn.Module:
-    """The classification layer of a registered net (mlp, lenet, vgg9, factorized or not): the
+    """The classification layer of a registered net (mlp, lenet, vgg9 factorized or not; resnets, LSTMs): the
     last layer, which maps the penultimate embedding to the logits."""
     if isinstance(model, LeNet):
         return model.fc2
     if isinstance(model, nn.Sequential):
         return model[-1]
-    raise TypeError(f"{type(model).__name__} is not one of the registered nets (mlp, lenet, vgg9): no known head")
+    if _has_classifier(model):  # resnet18/20, lstm, char_lstm
+        return model.classifier
+    raise TypeError(f"{type(model).__name__} is not one of the registered nets: no known head")
 
 
 def features(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The penultimate-layer embedding of a registered net: the head's input, so that
     `model(x) == head(model)(features(model, x))`. Splits the forward pass without changing the
     models' parameters, their order or their state-dict keys."""
-    if isinstance(model, LeNet):
+    if isinstance(model, LeNet) or _has_classifier(model):
         return model.features(x)
     if isinstance(model, nn.Sequential):
         return model[:-1](x)
-    raise TypeError(f"{type(model).__name__} is not one of the registered nets (mlp, lenet, vgg9): no known embedding")
+    raise TypeError(f"{type(model).__name__} is not one of the registered nets: no known embedding")
+
+
+def _has_classifier(model: nn.Module) -> bool:
+    """The convention of the nets in resnet.py and recurrent.py: `features(x)` feeds `classifier`."""
+    return isinstance(getattr(model, "classifier", None), nn.Linear) and callable(getattr(model, "features", None))
 
 
 def resized(name: str, input_shape: tuple[int, ...], num_classes: int, params, widths: tuple[int, ...]) -> nn.Module:

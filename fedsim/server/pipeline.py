@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from fedsim.aggregators.base import AggregationError
+from fedsim.models.buffers import BufferRows
 from fedsim.registry import AGGREGATORS, ATTACKS, DEFENSES, component_kwargs
 from fedsim.updates import RoundContext, UpdateBatch
 
@@ -98,6 +99,9 @@ class RoundPipeline:
             groups: list[list[int]] | None = None) -> RoundOutcome:
         """Aggregate one round; a rule or defense that cannot (AggregationError) skips the round with its reason."""
         out = RoundOutcome()
+        buffers = None  # BatchNorm statistics: averaged aside, never seen by attack, defenses or rule
+        if ctx.layout is not None and ctx.layout.has_buffers:
+            batch, ctx, buffers = BufferRows.split(batch, ctx)
         previous = self.previous_aggregate  # on the batch's device (a checkpoint's is on CPU)
         ctx = replace(ctx, previous_aggregate=None if previous is None else previous.to(batch.updates.device))
         batch = self.server_attack(batch, strikers, ctx, out, groups)
@@ -113,11 +117,15 @@ class RoundPipeline:
             for name, defense in self.defenses:
                 aggregate, info = defense.after(aggregate, ctx)
                 out.defenses.setdefault(name, {}).update(info)
+            if buffers is not None:  # the buffers of the clients the rule picked, if it picks
+                full = buffers.join(aggregate, batch, (out.aggregator or {}).get("selected"))
+            else:
+                full = aggregate
         except AggregationError as err:
             out.skipped = str(err)
             return out
-        out.aggregate = aggregate
-        self.previous_aggregate = aggregate
+        out.aggregate = full
+        self.previous_aggregate = aggregate  # trainable coordinates only, as the defenses see it
         return out
 
     def server_attack(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
