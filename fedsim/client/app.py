@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common import log as flwr_log
 
+from fedsim.engine.flower_compat import flower_log as flwr_log
 from fedsim.attacks.base import AttackerRound, attacker_train_config
 from fedsim.data.local import NODE_CONFIG_KEY as LOCAL_DATA
 from fedsim.runs.checkpoint import load_client, save_client

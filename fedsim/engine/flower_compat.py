@@ -110,6 +110,13 @@ def _get(spec: str) -> Any:
     return obj
 
 
+# --- logging ------------------------------------------------------------------------------------
+def flower_log(level: int, msg: str, *args) -> None:
+    """Log through Flower's own logger (`flwr.common.log`): the one a SuperNode prints and `flwr run
+    --stream` shows, so the ServerApp's and ClientApp's progress lines appear where Flower's do."""
+    _get("flwr.common:log")(level, msg, *args)
+
+
 # --- simulation-engine ----------------------------------------------------------------------------
 def engine_modules():
     """(vce_api, raybackend, BasicActorPool): the objects whose members the simulation adjusts."""

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Callable
 
 from flwr.app import Context
-from flwr.common import log as flwr_log
 from flwr.serverapp import Grid, ServerApp
 
+from fedsim.engine.flower_compat import flower_log as flwr_log
 from fedsim.runs.checkpoint import load_server
 from fedsim.engine.interrupt import RunStopped, StoppableGrid
 from fedsim.engine.options import EngineOptions
