@@ -363,7 +363,8 @@ def test_summary_privacy_entries():
     assert "privacy" not in summarize(validate_scenario({}), rounds[:1], {})
 
 
-def test_a_short_run_records_epsilon_each_round_and_in_the_summary(tmp_path):
+def short_run(tmp_path, rounds: int, *overrides: str):
+    """A 6-client digits run in-process: its run folder and trained round lines."""
     from fedsim.client.app import make_client_app
     from fedsim.engine.local_grid import LocalGrid
     from fedsim.runs.folder import RunFolder
@@ -371,11 +372,15 @@ def test_a_short_run_records_epsilon_each_round_and_in_the_summary(tmp_path):
     from fedsim.server.app import run_server
 
     sc = load_scenario(str(ROOT / "scenarios/quickstart.yaml"), [
-        "federation.num_clients=6", "federation.clients_per_round=3", "federation.rounds=2", "federation.local_epochs=1",
-        "attack=null", "defenses=[{name: dp_fedavg, noise_multiplier: 1.0, clip_norm: 0.5}]"])
+        "federation.num_clients=6", "federation.clients_per_round=3", f"federation.rounds={rounds}",
+        "federation.local_epochs=1", "attack=null", *overrides])
     run = RunFolder.create(sc, tmp_path)
     run_server(LocalGrid(make_client_app(sc), 6), sc, run)
-    lines = [r for r in read_rounds(run) if r["round"] > 0]
+    return run, [r for r in read_rounds(run) if r["round"] > 0]
+
+
+def test_a_short_run_records_epsilon_each_round_and_in_the_summary(tmp_path):
+    run, lines = short_run(tmp_path, 2, "defenses=[{name: dp_fedavg, noise_multiplier: 1.0, clip_norm: 0.5}]")
     eps = [r["defenses"]["dp_fedavg"]["epsilon"] for r in lines]
     assert eps == [gaussian_epsilon(1.0, 0.5, k, 0.1) for k in (1, 2)]
     summary = json.loads(run.summary_file.read_text())
@@ -388,18 +393,7 @@ def test_local_dp_noises_honest_uploads_and_each_round_line_counts_the_releases(
     recounted by hand from the lines' `sampled` lists."""
     from collections import Counter
 
-    from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
-    from fedsim.runs.folder import RunFolder
-    from fedsim.runs.results import read_rounds
-    from fedsim.server.app import run_server
-
-    sc = load_scenario(str(ROOT / "scenarios/quickstart.yaml"), [
-        "federation.num_clients=6", "federation.clients_per_round=3", "federation.rounds=3", "federation.local_epochs=1",
-        "attack=null", "federation.local_dp={clip: 1.0, noise_multiplier: 1.0}"])
-    run = RunFolder.create(sc, tmp_path)
-    run_server(LocalGrid(make_client_app(sc), 6), sc, run)
-    lines = [r for r in read_rounds(run) if r["round"] > 0]
+    _, lines = short_run(tmp_path, 3, "federation.local_dp={clip: 1.0, noise_multiplier: 1.0}")
     d = lines[0]["model_params"]
     counts = Counter()
     for line in lines:

@@ -52,7 +52,7 @@ class Trackers:
             if not isinstance(state.get(spec.name), dict):
                 state[spec.name] = {}
         sinks = [entry.obj(spec, folder.path, folder.path.name, state[spec.name]) for entry, spec in zip(entries, scenario.tracking)]
-        return cls(sinks, flat_params(scenario_dict(scenario)), folder, state)
+        return cls(sinks, flat_params(scenario_dict(scenario)) if sinks else {}, folder, state)  # no sink: no work
 
     def __bool__(self) -> bool:
         return bool(self.waiting or self.live)
