@@ -234,7 +234,7 @@ def defense_call(name, updates, weights):
 
 def aggregation(args, gpu: bool) -> None:
     d = 1_000_000 if args.quick and not gpu else RESNET18_D
-    sizes_n = (10, 50) if args.quick else (10, 50, 100)
+    sizes_n = tuple(args.n) if args.n else (10, 50) if args.quick else (10, 50, 100)
     names = [n for n in RULE_NAMES if n in AGGREGATORS.names()] + [n for n in DEFENSE_NAMES if n in DEFENSES.names()]
     missing = [n for n in RULE_NAMES + DEFENSE_NAMES if n not in names]
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if gpu else [])
@@ -252,7 +252,8 @@ def aggregation(args, gpu: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     cells = {name: {} for name in names}
     for n in sizes_n:
-        if not bench.fits_in_memory(n, d):
+        if bench.PEAK_COPIES * n * d * 4 > args.memory_gb * 1e9:
+            print(f"n={n} skipped: {bench.PEAK_COPIES * n * d * 4 / 1e9:.1f} GB of host memory, over --memory-gb {args.memory_gb:g}")
             for name in names:
                 for dev in devices:
                     cells[name][(dev.type, n)] = None
@@ -300,6 +301,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=5.0, help="seconds spent at most on repeats of one case")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--skip-rounds", action="store_true", help="only the aggregation timings")
+    parser.add_argument("--n", type=int, nargs="*", help="numbers of updates to aggregate (default 10 50 100; --quick 10 50)")
+    parser.add_argument("--memory-gb", type=float, default=bench.MEMORY_LIMIT_BYTES / 1e9,
+                        help="skip an n whose updates (three copies) would need more host memory than this")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
