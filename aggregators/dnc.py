@@ -68,10 +68,10 @@ def sample_coordinates(d: int, subsample_dim: int, niters: int, generator: torch
 
 def outlier_scores(updates: torch.Tensor, coordinates: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """[n] float64 scores ((g_i[r] - mu) . v)^2 over the finite rows; +inf for the others."""
-    sub = updates.index_select(1, coordinates)[finite].double()
+    sub = updates.index_select(1, coordinates.to(updates.device))[finite].double()
     centred = sub - sub.mean(dim=0)
     top = torch.linalg.svd(centred, full_matrices=False).Vh[0]  # top right singular vector
-    scores = torch.full((updates.shape[0],), float("inf"), dtype=torch.float64)
+    scores = torch.full((updates.shape[0],), float("inf"), dtype=torch.float64, device=updates.device)
     scores[finite] = (centred @ top) ** 2
     return scores
 
@@ -89,7 +89,7 @@ def dnc_select(
     kept = finite.clone()
     for coords in coordinates:
         order = torch.sort(outlier_scores(updates, coords, finite), stable=True).indices
-        this = torch.zeros(n, dtype=torch.bool)
+        this = torch.zeros(n, dtype=torch.bool, device=updates.device)
         this[order[:keep_count]] = True
         kept &= this
     if not kept.any():

@@ -71,7 +71,7 @@ def sign_features(updates: torch.Tensor, start: int, k: int) -> np.ndarray:
     """[n, 3] fractions of positive, zero and negative entries in the block, each over its max."""
     block = updates[:, start : start + k]
     fractions = torch.stack([(block > 0).sum(1), (block == 0).sum(1), (block < 0).sum(1)], dim=1).double() / k
-    return (fractions / (fractions.max(dim=0).values + FEATURE_EPS)).numpy()
+    return (fractions / (fractions.max(dim=0).values + FEATURE_EPS)).cpu().numpy()  # MeanShift (scikit-learn) runs on the host
 
 
 def largest_cluster(features: np.ndarray, bandwidth_quantile: float, seed: int) -> np.ndarray:
@@ -111,7 +111,7 @@ def signguard_select(
     norms = torch.linalg.vector_norm(grads, dim=1, dtype=torch.float64)
     median = numpy_median(norms)
     by_norm = (norms > lower * median) & (norms < upper * median)
-    by_sign = torch.from_numpy(largest_cluster(sign_features(grads, start, k), bandwidth_quantile, seed))
+    by_sign = torch.from_numpy(largest_cluster(sign_features(grads, start, k), bandwidth_quantile, seed)).to(updates.device)
     kept = torch.nonzero(by_norm & by_sign).flatten()
     if kept.numel() == 0:
         raise AggregationError(

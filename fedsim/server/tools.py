@@ -57,12 +57,14 @@ class ServerTools:
     def train_update(self, global_weights: torch.Tensor, layout, x: np.ndarray, y: np.ndarray, rnd: int) -> torch.Tensor:
         """The update the server gets by training the global model on (x, y) exactly as a client
         trains in round `rnd` (the scenario's local epochs, batch size, learning rate, momentum,
-        weight decay), seeded by the round."""
+        weight decay), seeded by the round. It trains on CPU, as the clients' reference does, and the
+        update is returned on the device of `global_weights` (server.device)."""
         fed = self.rt.scenario.federation
-        model = self.model_of(global_weights)
+        on_host = global_weights.cpu()
+        model = self.model_of(on_host)
         cfg = TrainConfig(fed.local_epochs, fed.batch_size, self.rt.lr(rnd), fed.momentum, fed.weight_decay)
         train(model, x, y, cfg, derive_seed(self.rt.scenario.seed, SERVER, ROOT_TRAIN, rnd))
-        return layout.flatten_model(model) - global_weights
+        return (layout.flatten_model(model) - on_host).to(global_weights.device)
 
 
 class GivenServerUpdate:
