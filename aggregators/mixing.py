@@ -129,7 +129,7 @@ def bucket_means(updates: torch.Tensor, weights: torch.Tensor, bucket: torch.Ten
     sums = torch.zeros(count, updates.shape[1], dtype=updates.dtype, device=updates.device)
     sums.index_add_(0, bucket.to(updates.device), updates)
     totals = torch.zeros(count, dtype=weights.dtype, device=weights.device).index_add_(0, bucket.to(weights.device), weights)
-    return sums / sizes.to(updates.dtype)[:, None], totals
+    return sums / sizes.to(updates.device, updates.dtype)[:, None], totals
 
 
 class BucketingParams(Params):
