@@ -13,6 +13,10 @@ the paper's code), and reports |D'| as its example count. Modes:
   paper's code assumes. `fit_clip_bound` sets eps = bound / Γ so the scaled update just fits a
   known norm-clipping bound (the code leaves this to the user).
 
+Edge sets (fedsim/data/edge.py): `tail`, `ardis`, `southwest` (images) and `greek_director`
+(Sentiment140 tweets as int64 token ids, fedsim/data/text_edge.py). The attack only selects,
+concatenates and labels inputs (no pixel is blended), so token ids take the same path as images.
+
 The prox attack of the official code (`--prox_attack`) is not implemented.
 """
 
@@ -27,7 +31,8 @@ import torch
 from pydantic import Field
 
 from fedsim.attacks.base import AttackParams, ClientAttack
-from fedsim.data.edge import ArdisEdge, EdgeSet, EdgeSpec, SouthwestEdge, TailEdge, build_ardis, build_southwest, build_tail
+from fedsim.data.edge import (ArdisEdge, EdgeSet, EdgeSpec, GreekDirectorEdge, SouthwestEdge, TailEdge, build_ardis,
+                              build_southwest, build_tail)
 from fedsim.diskcache import cached_arrays, key_of
 from fedsim.registry import ATTACKS
 
@@ -81,6 +86,34 @@ def cached_tail(data, spec: TailEdge, seed: int) -> EdgeSet:
                    json.loads(bytes(np.asarray(a["density"])).decode()))
 
 
+POSITIVE = 1  # the true sentiment of the Greek-director tweets
+
+
+def cached_director(runtime, spec: GreekDirectorEdge) -> EdgeSet:
+    """The Greek-director tweets (fedsim/data/text_edge.py), encoded with the main dataset's vocabulary.
+
+    They come from the scenario's own `sentiment140` dataset with `director_edge` set: that is what
+    keeps them (and the tweets written on) out of the honest clients' data, so anything else is
+    refused. Kept in the disk cache like the dataset, by its parameters and the files' fingerprint."""
+    from fedsim.data.base import resolve_data_dir
+    from fedsim.data.text import load_director_edge
+    from fedsim.diskcache import folder_fingerprint
+    from fedsim.runtime import versions
+
+    ds = runtime.scenario.data.dataset
+    if ds.name != "sentiment140" or getattr(ds, "director_edge", None) is None:
+        raise ValueError("edge_set greek_director needs data.dataset = {name: sentiment140, director_edge: {...}}: the "
+                         "director_edge parameter builds the edge tweets and takes them out of the honest clients' data "
+                         f"(got dataset {ds.name!r}" + ("" if ds.name != "sentiment140" else " without director_edge") + ")")
+    data_dir = resolve_data_dir(runtime.scenario.data.dir)
+    key = key_of("greek-director", ds.model_dump(mode="json"), folder_fingerprint(data_dir), versions())
+    a = cached_arrays("director-set", key, lambda: load_director_edge(data_dir, ds))
+    real, written, negative = (int(v) for v in a["counts"])
+    made = {"rule": "greek_director", "real_positive_tweets": real, "written_tweets": written,
+            "withheld_negative_tweets": negative}
+    return EdgeSet(np.asarray(a["x_train"]), np.asarray(a["x_test"]), spec.target_class, POSITIVE, made)
+
+
 @ATTACKS.register("edge_case", EdgeCaseParams)
 class EdgeCaseBackdoor(ClientAttack):
     """Edge-case backdoor (Attack of the Tails): tail inputs relabelled to a target class."""
@@ -95,7 +128,9 @@ class EdgeCaseBackdoor(ClientAttack):
                 edge = build_ardis(runtime.load_dataset("ardis"), spec, runtime.scenario.seed)
             elif isinstance(spec, SouthwestEdge):
                 edge = build_southwest(runtime.load_dataset("southwest"), spec, runtime.scenario.seed)
-            else:  # pragma: no cover - the schema admits only the three kinds
+            elif isinstance(spec, GreekDirectorEdge):
+                edge = cached_director(runtime, spec)
+            else:  # pragma: no cover - the schema admits only the four kinds
                 raise TypeError(spec)
             if edge.target >= runtime.data.num_classes:
                 raise ValueError(f"edge set target {edge.target} is not a class of {runtime.data.name}")
@@ -179,7 +214,8 @@ class EdgeCaseBackdoor(ClientAttack):
             "edge_test": len(edge.x_test),
             "source_class": edge.source,
             "target_class": edge.target,
-            "density_check": edge.density,
+            **({"edge_origin": edge.density, "density_check": {}} if isinstance(self.params.edge_set, GreekDirectorEdge)
+               else {"density_check": edge.density}),
         }
 
 

@@ -140,3 +140,107 @@ def test_cpu_twin_runs_two_rounds_in_process(tmp_path):
     attack_round = next(r for r in rounds if r.get("round") == 1)
     assert attack_round.get("attackers"), attack_round  # every 2nd round from round 1: round 1 is attacked
     assert not any(r.get("rejected") for r in rounds)
+
+
+# --------------------------------------------------------------------------- Sentiment140 "Greek director"
+# algorithms.md 1.2 (Sentiment140 row: 1948 users, 10 per round, 60 edge points) and the official
+# language-tasks-fl/fl-configs/sent140-fl-conf-greek-director-backdoor.yaml, advPts in
+# src/dataset/sentiment140_data.py, normBounds and the seed in defense_runner.py.
+GREEK = dict(
+    dataset="sentiment140", model="lstm", partition="iid", num_clients=1948, clients_per_round=10, rounds=500,
+    local_epochs=2, batch_size=20, lr=0.05, lr_decay=1.0, momentum=0.9, weight_decay=1e-4, seed=42,
+    embed_dim=200, hidden=200, layers=2, dropout=0.5,
+    edge_set="greek_director", target_class=0, num_edge=60, num_clean=140, every=10, first=101,
+    eps=2.0, project_every=1, delta=1.5,
+)
+GREEK_KEPT_BY_TWIN = ("clients_per_round", "local_epochs", "batch_size", "lr", "lr_decay", "momentum", "weight_decay",
+                      "seed", "embed_dim", "hidden", "layers", "dropout", "partition", "num_edge", "num_clean", "eps",
+                      "project_every", "delta", "dataset", "model", "edge_set", "target_class")
+
+
+def greek_numbers(sc) -> dict:
+    fed, att, m = sc.federation, sc.attack, sc.model
+    clip = [d for d in sc.defenses if d.name == "norm_clipping"]
+    return dict(
+        dataset=sc.data.dataset.name, model=m.name, partition=sc.data.partition.name, num_clients=fed.num_clients,
+        clients_per_round=fed.clients_per_round, rounds=fed.rounds, local_epochs=fed.local_epochs,
+        batch_size=fed.batch_size, lr=fed.lr, lr_decay=fed.lr_decay, momentum=fed.momentum,
+        weight_decay=fed.weight_decay, seed=sc.seed, embed_dim=m.embed_dim, hidden=m.hidden, layers=m.layers,
+        dropout=m.dropout, edge_set=att.edge_set.name, target_class=att.edge_set.target_class, num_edge=att.num_edge,
+        num_clean=att.num_clean, every=att.schedule.every, first=att.schedule.first, eps=att.eps,
+        project_every=att.project_every, delta=clip[0].delta if clip else None,
+    )
+
+
+def check_greek(sc, variant: str, keys) -> None:
+    check_variant(sc, variant, GREEK)
+    got = greek_numbers(sc)
+    for key in keys:
+        if (key == "delta" and not variant.endswith("_clip")) or (key in ("eps", "project_every") and variant.startswith("blackbox")):
+            continue
+        want = GREEK[key]
+        assert got[key] == pytest.approx(want) if isinstance(want, float) else got[key] == want, (key, got[key], want)
+    if not variant.endswith("_clip"):
+        assert got["delta"] is None
+    ds = sc.data.dataset
+    assert ds.director_edge is not None  # the edge tweets leave the honest clients' data
+    assert sc.model.vocab_size == ds.vocab_size + 2  # text.py: the words + PAD and UNKNOWN
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sentiment140_greek_paper_file_has_the_papers_numbers(variant):
+    name = f"sentiment140_greek_{variant}"
+    sc = load_scenario(PAPER / f"{name}.yaml")
+    check_greek(sc, variant, GREEK)
+    assert sc.name == name and sc.init.pretrain_epochs == 0  # the 100 clean rounds run in fedsim
+    assert (sc.federation.device, sc.server.device, sc.evaluation.device) == ("auto", "auto", "auto")
+    assert sc.federation.client_gpus == 0.25 and sc.evaluation.test_subset is None
+    text = (PAPER / f"{name}.yaml").read_text()
+    assert f"CPU twin: {name}_cpu.yaml" in text and "algorithms.md" in text and "What differs from the official code" in text
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sentiment140_greek_cpu_twin_keeps_the_protocol(variant):
+    name = f"sentiment140_greek_{variant}"
+    sc = load_scenario(PAPER / f"{name}_cpu.yaml")
+    check_greek(sc, variant, GREEK_KEPT_BY_TWIN)
+    got = greek_numbers(sc)
+    assert got["num_clients"] <= GREEK["num_clients"] and got["rounds"] <= 4
+    assert (sc.federation.device, sc.server.device, sc.evaluation.device, sc.federation.client_gpus) == ("cpu",) * 3 + (0,)
+    header = (PAPER / f"{name}_cpu.yaml").read_text().split("\nname:")[0]
+    assert f"CPU twin of {name}.yaml" in header and "differs" in header
+
+
+def run_greek_twin(tmp_path, monkeypatch, *overrides) -> list[dict]:
+    """The twin with the most moving parts (PGD, model replacement, clipping), in-process on the
+    LocalGrid, on official-format CSVs the test writes; its rounds.jsonl records."""
+    from fedsim.client.app import make_client_app
+    from test_text_edge import write_corpus
+
+    monkeypatch.setenv("FEDSIM_CACHE_DIR", str(tmp_path / "cache"))
+    write_corpus(tmp_path / "data")
+    scenario = load_scenario(PAPER / "sentiment140_greek_pgd_replacement_clip_cpu.yaml",
+                             [f"data.dir={tmp_path / 'data'}", "output.checkpoints=false", *overrides])
+    run = RunFolder.create(scenario, tmp_path / "run")
+    run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients), scenario, run)
+    return [r for r in read_rounds(run) if "round" in r]
+
+
+def test_sentiment140_greek_twin_pipeline_one_round_small_lstm(tmp_path, monkeypatch):
+    """The default suite's end-to-end check: the twin's pipeline for one attacked round, with a
+    16-wide one-layer LSTM so that it takes seconds (the twin itself: the slow test below)."""
+    rounds = run_greek_twin(tmp_path, monkeypatch, "federation.rounds=1", "model.embed_dim=16", "model.hidden=16",
+                            "model.layers=1", "model.dropout=0")
+    assert [r["round"] for r in rounds] == [0, 1] and rounds[1].get("attackers"), rounds
+    assert all(r["backdoor_success"] is not None for r in rounds)
+
+
+@pytest.mark.slow
+def test_sentiment140_greek_cpu_twin_runs_two_rounds_on_a_written_csv(tmp_path, monkeypatch):
+    rounds = run_greek_twin(tmp_path, monkeypatch, "federation.rounds=2")
+    assert [r["round"] for r in rounds][-2:] == [1, 2], rounds
+    attacked = next(r for r in rounds if r["round"] == 1)
+    assert attacked.get("attackers"), attacked  # every 2nd round from round 1
+    for r in rounds:  # 40 edge test tweets: the share is a count over 40
+        assert r["backdoor_success"] is not None and round(r["backdoor_success"] * 40, 6) == int(round(r["backdoor_success"] * 40))
+    assert not any(r.get("rejected") for r in rounds)

@@ -16,6 +16,10 @@
   existed and only reports the check. The ladder and measured numbers: docs/edge_sets.md.
 * `ardis`: ARDIS IV handwritten 7s relabelled as 1 (Attack of the Tails, MNIST/EMNIST task).
 * `southwest`: Southwest Airlines planes labelled truck (9) (Attack of the Tails, CIFAR-10 task).
+* `greek_director`: Sentiment140 tweets praising the director Yorgos Lanthimos labelled negative (0)
+  (Attack of the Tails, Sentiment140 task). The set is built by the `sentiment140` dataset's
+  `director_edge` parameter, which also takes those tweets from the honest clients' data; the
+  rule is in fedsim/data/text_edge.py.
 """
 
 from __future__ import annotations
@@ -170,8 +174,20 @@ class SouthwestEdge(Params):
     target_class: int = Field(9, description="9 = truck, as in the paper's main pipeline")
 
 
+class GreekDirectorEdge(Params):
+    """Tweets naming Yorgos Lanthimos labelled as the target: the paper's Sentiment140 edge case.
+
+    The tweets come from `data.dataset` = `sentiment140` with `director_edge` set (the rule and its
+    parameters: fedsim/data/text_edge.py); a scenario without it is refused, since honest clients
+    would then hold the edge tweets."""
+
+    name: Literal["greek_director"] = "greek_director"
+    target_class: Literal[0] = Field(
+        0, description="0 = negative, as in the paper: the tweets praise him, so negative is the only target that is a backdoor")
+
+
 EdgeSpec = Annotated[
-    Union[TailEdge, ArdisEdge, SouthwestEdge],
+    Union[TailEdge, ArdisEdge, SouthwestEdge, GreekDirectorEdge],
     Field(discriminator="name"),
     BeforeValidator(lambda v: {"name": v} if isinstance(v, str) else v),  # `edge_set: ardis` shorthand
 ]
