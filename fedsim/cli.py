@@ -308,7 +308,7 @@ def cmd_sweep(args) -> int:
     from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
 
     from fedsim.runs.report import markdown_table, write_report
-    from fedsim.runs.sweep import expand, is_done, run_sweep, sweep_dir
+    from fedsim.runs.sweep import expand, is_done, sweep_dir
 
     name, runs = expand(args.file, args.set)
     preflight_runs(runs, str(args.file))
@@ -323,30 +323,14 @@ def cmd_sweep(args) -> int:
         try:
             with Progress(*columns, console=console) as progress:
                 overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
-                if args.jobs > 1:
-                    run_in_processes(todo, folder, args.jobs, progress, overall)
-                else:
-                    from fedsim.engine.simulate import simulate
-
-                    current = progress.add_task("current", total=1, status="")
-
-                    def runner(scenario, run_dir):
-                        progress.reset(current, total=scenario.federation.rounds, description=scenario.name[:40], status="")
-                        simulate(scenario, run_dir=run_dir, verbose=args.verbose, stop=stop, signals=signals,
-                                 progress=lambda r: progress.update(current, completed=r["round"]))
-                        failure = trained_nothing(run_dir)
-                        progress.update(overall, advance=1, status=f"{scenario.name}: {'FAILED' if failure else 'ok'}")
-                        if failure:
-                            progress.console.print(f"run {scenario.name} failed: {failure}", markup=False, highlight=False,
-                                                   soft_wrap=True)
-
-                    run_sweep(folder, runs, runner)
+                if todo:
+                    run_on_one_engine(folder, runs, todo, args, progress, overall, stop, signals)
         except (RunInterrupted, RunStopped) as err:
             code = err.exit_code if isinstance(err, RunInterrupted) else 130
             done = sum(finished(folder / r.name) for r in runs)
             again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
                      *(["--output", str(args.output)] if args.output is not None else []),
-                     *(["--jobs", str(args.jobs)] if args.jobs > 1 else [])]
+                     *(["--jobs", str(args.jobs)] if args.jobs != 2 else [])]
             err_console.print(f"sweep interrupted ({err}): {done} of {len(runs)} runs finished, in {folder}; "
                               f"continue with: {shlex.join(again)}", markup=False, highlight=False, soft_wrap=True)
             if not wait_for_threads(5.0):
@@ -409,56 +393,44 @@ def clear_runs_that_trained_nothing(folder: Path, runs) -> list[str]:
     return names
 
 
-def run_in_processes(todo, folder: Path, jobs: int, progress, overall) -> None:
-    """`fedsim sweep --jobs N`: each run in its own `fedsim run --resume` process (and Ray), N at a time.
+def run_on_one_engine(folder: Path, runs, todo, args, progress, overall, stop, signals) -> None:
+    """`fedsim sweep`: every unfinished run on one Ray engine (fedsim/engine/shared.py), started
+    once (or attached to `federation.ray_address` / $RAY_ADDRESS), `--jobs` runs in flight at once,
+    sharing its client actors. A Flower without what the shared engine needs runs them one at a
+    time, each starting its own Ray."""
+    from fedsim.engine.shared import SharedEngine
+    from fedsim.engine.simulate import ray_address, simulate
+    from fedsim.runs.sweep import run_sweep
+    from fedsim.scenario import ScenarioError
 
-    Each child gets a session of its own, so a Ctrl-C at the terminal reaches only this process,
-    which passes the signal on once to every child (a second one would make them exit at once) and
-    waits for them to save their rounds. A child's output goes to `fedsim.log` in its run folder;
-    a failed run shows its last lines.
-    """
-    import contextlib
-    import os
-    import subprocess
-    import time
+    addresses = {ray_address(r.scenario) for r in todo}
+    if len(addresses) > 1:
+        raise ScenarioError(str(args.file), [("federation.ray_address", "the runs of one sweep share one Ray cluster",
+                                              sorted(map(str, addresses)))])
+    shared = SharedEngine.available()
+    if not shared:
+        err_console.print("warning: this Flower lacks what a shared engine needs; each run starts its own Ray, one at a time",
+                          markup=False, highlight=False)
 
-    from fedsim.engine.interrupt import RunInterrupted
-    from fedsim.runs.sweep import prepare
+    def runner(scenario, run_dir, engine=None):
+        task = progress.add_task(scenario.name[:40], total=scenario.federation.rounds, status="")
+        try:
+            simulate(scenario, run_dir=run_dir, verbose=args.verbose, stop=stop, signals=signals, engine=engine,
+                     progress=lambda r: progress.update(task, completed=r["round"]))
+        finally:
+            progress.remove_task(task)
+        failure = trained_nothing(run_dir)
+        progress.update(overall, advance=1, status=f"{scenario.name}: {'FAILED' if failure else 'ok'}")
+        if failure:
+            progress.console.print(f"run {scenario.name} failed: {failure}", markup=False, highlight=False, soft_wrap=True)
 
-    pending, active = list(todo), []
-    try:
-        while pending or active:
-            while pending and len(active) < jobs:
-                run = pending.pop(0)
-                run_dir = prepare(run, folder)
-                with open(run_dir / "fedsim.log", "ab") as log:
-                    cmd = [sys.executable, "-m", "fedsim.cli", "run", "--resume", str(run_dir)]
-                    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env=dict(os.environ, COLUMNS="160"))
-                active.append((proc, run.name, run_dir))
-            for item in list(active):
-                proc, name, run_dir = item
-                if proc.poll() is None:
-                    continue
-                active.remove(item)
-                ok = proc.returncode == 0
-                progress.update(overall, advance=1, status=f"{name}: {'ok' if ok else 'FAILED'}")
-                if not ok:
-                    tail = (run_dir / "fedsim.log").read_text(errors="replace").splitlines()[-15:]
-                    progress.console.print(f"run {name} failed (exit {proc.returncode}); last lines of {run_dir / 'fedsim.log'}:\n"
-                                           + "\n".join(tail), markup=False, highlight=False, soft_wrap=True)
-            time.sleep(0.2)
-    except RunInterrupted as err:
-        for proc, _, _ in active:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(err.signum)
-        deadline = time.monotonic() + 30
-        for proc, _, _ in active:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        raise
+    if not shared:
+        run_sweep(folder, runs, runner)
+        return
+    progress.update(overall, status="starting Ray...")
+    with SharedEngine(address=addresses.pop(), verbose=args.verbose, after_ray_init=signals.reinstall) as engine:
+        progress.update(overall, status="")
+        run_sweep(folder, runs, lambda scenario, run_dir: runner(scenario, run_dir, engine), jobs=max(1, args.jobs))
 
 
 def cmd_deploy(args) -> int:
@@ -570,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     swp.add_argument("file", type=Path)
     swp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     swp.add_argument("--output", type=Path, default=None, help="parent folder (default: output.dir)")
-    swp.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    swp.add_argument("--jobs", type=int, default=2,
+                     help="runs in flight at once, sharing the sweep's one Ray engine and its client actors (default 2)")
     swp.add_argument("--verbose", action="store_true")
     swp.set_defaults(func=cmd_sweep)
 

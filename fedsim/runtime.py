@@ -7,10 +7,12 @@ Everything here is read-only after construction except `cache`, which only memoi
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
 import os
+import threading
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from fedsim.models.layout import ModelLayout
 from fedsim.lowrank.layers import build_factorized
 from fedsim.registry import ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS
 from fedsim.scenario import scenario_dict
+from fedsim.seeding import TORCH_GLOBAL_RNG
 from fedsim.training import TrainConfig, train
 
 
@@ -123,7 +126,8 @@ class Runtime:
         spec = self.scenario.model
         def full():
             return MODELS.get(spec.name).obj(*self.model_shape, spec)
-        return full() if not ranks else build_factorized(full, ranks)
+        with TORCH_GLOBAL_RNG:  # its initialisation draws from torch's global generator
+            return full() if not ranks else build_factorized(full, ranks)
 
     @functools.cached_property
     def layout(self) -> ModelLayout:
@@ -141,8 +145,9 @@ class Runtime:
         """The initial global model: seeded random init, then a checkpoint or central pre-training if configured."""
         layout = self.layout  # may build a model itself: do it before seeding
         init = self.scenario.init
-        torch.manual_seed(self.scenario.seed)
-        model = self.build_model()
+        with TORCH_GLOBAL_RNG:
+            torch.manual_seed(self.scenario.seed)
+            model = self.build_model()
         if init.checkpoint:
             state = torch.load(init.checkpoint, map_location="cpu", weights_only=True)
             model.load_state_dict(state)
@@ -209,13 +214,25 @@ def scenario_key(scenario) -> str:
     return hashlib.sha256(json.dumps(scenario_dict(scenario), sort_keys=True).encode()).hexdigest()
 
 
-_RUNTIMES: dict[str, Runtime] = {}
+RUNTIMES_KEPT = 4  # scenarios per process: a sweep's runs in flight together share processes (fedsim/engine/shared.py)
+_RUNTIMES: "collections.OrderedDict[str, Runtime]" = collections.OrderedDict()
+_RUNTIMES_LOCK = threading.Lock()
 
 
 def runtime_for(scenario) -> Runtime:
-    """The process-wide runtime of this scenario (shared by the virtual clients of one Ray actor)."""
+    """The process-wide runtime of this scenario (shared by the virtual clients of one Ray actor).
+
+    The few most recently used are kept, keyed by the scenario's content: several runs of a sweep
+    may be in flight in one process (their servers) or one actor (their clients)."""
     key = scenario_key(scenario)
-    if key not in _RUNTIMES:
-        _RUNTIMES.clear()  # one scenario at a time per worker process: keep memory bounded
-        _RUNTIMES[key] = Runtime(scenario)
-    return _RUNTIMES[key]
+    with _RUNTIMES_LOCK:
+        if key in _RUNTIMES:
+            _RUNTIMES.move_to_end(key)
+            return _RUNTIMES[key]
+    rt = Runtime(scenario)  # outside the lock: building one may load data
+    with _RUNTIMES_LOCK:
+        rt = _RUNTIMES.setdefault(key, rt)
+        _RUNTIMES.move_to_end(key)
+        while len(_RUNTIMES) > RUNTIMES_KEPT:
+            _RUNTIMES.popitem(last=False)
+    return rt

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
+
+# torch's global generator is one per process. Code that seeds it and then draws from it (a model's
+# initial weights, dropout masks while training) holds this lock, and so does code that draws from
+# it unseeded (building any model): a sweep runs several runs' servers in one process at once
+# (fedsim/engine/shared.py), and a draw in one thread between another's seed and its draws would
+# change that run's numbers.
+TORCH_GLOBAL_RNG = threading.RLock()
 
 
 def derive_seed(*keys: int) -> int:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim.sgd import sgd as torch_sgd  # the functional form torch.optim.SGD.step calls
 
 from fedsim.devices import deterministic_algorithms, resolve_device
+from fedsim.seeding import TORCH_GLOBAL_RNG
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -176,7 +177,7 @@ def sgd_epochs(
     scale per call: a step whose gradients overflow is skipped, as GradScaler does)."""
     check_precision(precision)
     device = torch.device("cpu") if device is None else resolve_device(device, "TrainConfig.device")
-    with deterministic_algorithms(deterministic), on_device(model, device):
+    with TORCH_GLOBAL_RNG, deterministic_algorithms(deterministic), on_device(model, device):
         torch.manual_seed(seed)  # dropout masks
         gen = torch.Generator().manual_seed(seed)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)

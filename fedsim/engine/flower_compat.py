@@ -237,3 +237,206 @@ def runtime_api() -> RuntimeApi:
 def report() -> dict[str, list[str]]:
     """{probe name: missing names} for every probe (an empty list: it holds)."""
     return {name: p.missing() for name, p in PROBES.items()}
+
+
+# --- secure aggregation: Flower's SecAgg+ (docs/secure_aggregation.md) ----------------------------
+# Flower 1.41 ships SecAgg+ as a legacy workflow (`flwr.server.workflow.SecAggPlusWorkflow`, which
+# drives the four exchanges on a Grid through a `LegacyContext` holding a legacy Strategy) and a
+# client mod (`flwr.client.mod.secaggplus_mod`, which wraps a handler that answers with legacy
+# `fitres.*` records). fedsim reuses both unchanged: the adapters below hand the workflow the
+# round's clients as legacy FitIns and take the unmasked aggregate from its `aggregate_fit` call.
+SECAGG_STAGES = ("setup", "share_keys", "collect_masked_vectors", "unmask")
+PROBES["secure-aggregation"] = Probe(
+    "secure-aggregation", "secure_aggregation: Flower's SecAgg+ workflow and mod, its legacy records, its key agreement "
+    "and encryption (also LightSecAgg's share exchange)",
+    ("flwr.server.workflow:SecAggPlusWorkflow", "flwr.server.compat.legacy_context:LegacyContext",
+     "flwr.server.strategy:Strategy", "flwr.client.mod:secaggplus_mod",
+     "flwr.common.secure_aggregation.secaggplus_constants:RECORD_KEY_CONFIGS",
+     "flwr.compat.common.recorddict_compat:recorddict_to_fitins",
+     "flwr.compat.common.recorddict_compat:fitres_to_recorddict",
+     "flwr.compat.common.recorddict_compat:recorddict_to_fitres",
+     "flwr.common:FitIns", "flwr.common:FitRes", "flwr.common:ndarrays_to_parameters",
+     "flwr.common:parameters_to_ndarrays", "flwr.supercore.primitives.asymmetric:generate_key_pairs",
+     "flwr.common.secure_aggregation.crypto.symmetric_encryption:generate_shared_key"),
+    "none: a scenario with secure_aggregation fails at its first secure round, naming the missing names")
+
+
+def secaggplus_record_key() -> str:
+    """The ConfigRecord name under which SecAgg+ messages carry their protocol fields."""
+    require("secure-aggregation")
+    return _get("flwr.common.secure_aggregation.secaggplus_constants:RECORD_KEY_CONFIGS")
+
+
+def secaggplus_client_mod():
+    """Flower's client mod for SecAgg+ (`flwr.client.mod.secaggplus_mod`)."""
+    return _get("flwr.client.mod:secaggplus_mod")
+
+
+def legacy_fit_ins(content) -> tuple[list, dict]:
+    """(arrays, config) of a legacy `fitins.*` RecordDict (what SecAggPlusWorkflow sends with stage 2)."""
+    compat = importlib.import_module("flwr.compat.common.recorddict_compat")
+    fitins = compat.recorddict_to_fitins(content, keep_input=True)
+    return _get("flwr.common:parameters_to_ndarrays")(fitins.parameters), dict(fitins.config)
+
+
+def is_legacy_fit_ins(content) -> bool:
+    return "fitins.parameters" in content.array_records and "fitins.config" in content.config_records
+
+
+def legacy_fit_res(arrays: list, num_examples: int, metrics: dict):
+    """A legacy `fitres.*` RecordDict: what `secaggplus_mod` reads the update and its weight from."""
+    compat = importlib.import_module("flwr.compat.common.recorddict_compat")
+    common = importlib.import_module("flwr.common")
+    fitres = common.FitRes(status=common.Status(code=common.Code.OK, message="Success"),
+                           parameters=common.ndarrays_to_parameters(arrays), num_examples=int(num_examples),
+                           metrics=dict(metrics))
+    return compat.fitres_to_recorddict(fitres, keep_input=True)
+
+
+class _NodeProxy:
+    """What SecAggPlusWorkflow needs of a legacy ClientProxy: its node id."""
+
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
+        self.cid = str(node_id)
+
+
+@dataclass
+class SecAggPlusRound:
+    """What one run of Flower's SecAggPlusWorkflow gave: the unmasked weighted mean (None when the
+    protocol halted), the nodes whose masked vectors were summed, and each client's legacy metrics."""
+
+    aggregate: list | None
+    summed: list[int]
+    metrics: dict[int, dict]  # node id -> its fitres metrics and num_examples
+    failures: list[str]
+
+
+def run_secaggplus(grid, fit_ins: dict[int, tuple[list, dict]], server_round: int, *, num_shares, reconstruction_threshold,
+                   max_weight: float, clipping_range: float, quantization_range: int, modulus_range: int,
+                   timeout: float | None) -> SecAggPlusRound:
+    """One secure round through Flower's own SecAggPlusWorkflow: `fit_ins` maps each node id to the
+    (arrays, config) of its training instruction. The workflow's messages go through `grid`
+    (wrap it to count bytes); the weighted mean of the clients' returned arrays is unmasked by the
+    workflow and handed to the legacy strategy's `aggregate_fit`, where it is taken from here."""
+    app = importlib.import_module("flwr.app")
+    workflow_cls = _get("flwr.server.workflow:SecAggPlusWorkflow")
+    legacy_context = _get("flwr.server.compat.legacy_context:LegacyContext")
+    legacy_strategy = _get("flwr.server.strategy:Strategy")
+    common = importlib.import_module("flwr.common")
+    outcome = SecAggPlusRound(None, [], {}, [])
+
+    class Adapter(legacy_strategy):  # the legacy Strategy the workflow calls: ours decides, the workflow exchanges
+        def initialize_parameters(self, client_manager):
+            return None
+
+        def configure_fit(self, server_round, parameters, client_manager):
+            return [(_NodeProxy(nid), common.FitIns(common.ndarrays_to_parameters(arrays), dict(config)))
+                    for nid, (arrays, config) in fit_ins.items()]
+
+        def aggregate_fit(self, server_round, results, failures):
+            if results:
+                outcome.aggregate = common.parameters_to_ndarrays(results[0][1].parameters)
+            outcome.summed = sorted(proxy.node_id for proxy, _ in results)
+            outcome.metrics = {proxy.node_id: {**res.metrics, "num_examples": res.num_examples} for proxy, res in results}
+            outcome.failures = [str(f) for f in failures]
+            return None, {}
+
+        def configure_evaluate(self, server_round, parameters, client_manager):
+            return []
+
+        def aggregate_evaluate(self, server_round, results, failures):
+            return None, {}
+
+        def evaluate(self, server_round, parameters):
+            return None
+
+    context = app.Context(run_id=0, node_id=0, node_config={}, state=app.RecordDict(), run_config={})
+    context = legacy_context(context, strategy=Adapter())
+    context.state.config_records["config"] = app.ConfigRecord({"current_round": int(server_round)})
+    context.state.array_records["parameters"] = app.ArrayRecord()
+    workflow = workflow_cls(num_shares, reconstruction_threshold, max_weight=float(max_weight),
+                            clipping_range=float(clipping_range), quantization_range=int(quantization_range),
+                            modulus_range=int(modulus_range), timeout=timeout)
+    workflow(grid, context)
+    return outcome
+
+
+def legacy_fit_res_update(content) -> tuple[list, int, dict]:
+    """(arrays, num_examples, metrics) of a legacy `fitres.*` RecordDict (what the train handler
+    answers inside a secure round)."""
+    compat = importlib.import_module("flwr.compat.common.recorddict_compat")
+    fitres = compat.recorddict_to_fitres(content, keep_input=True)
+    return _get("flwr.common:parameters_to_ndarrays")(fitres.parameters), int(fitres.num_examples), dict(fitres.metrics)
+
+
+@dataclass(frozen=True)
+class PairwiseCrypto:
+    """Flower's SecAgg+ primitives, reused for LightSecAgg's share exchange: an elliptic-curve key
+    pair as bytes, the ECDH + HKDF shared key of a private and a public key, Fernet encryption."""
+
+    key_pair: Callable[[], tuple[bytes, bytes]]
+    shared_key: Callable[[bytes, bytes], bytes]
+    encrypt: Callable[[bytes, bytes], bytes]
+    decrypt: Callable[[bytes, bytes], bytes]
+
+
+def pairwise_crypto() -> PairwiseCrypto:
+    asym = importlib.import_module("flwr.supercore.primitives.asymmetric")
+    sym = importlib.import_module("flwr.common.secure_aggregation.crypto.symmetric_encryption")
+
+    def key_pair() -> tuple[bytes, bytes]:
+        sk, pk = asym.generate_key_pairs()
+        return asym.private_key_to_bytes(sk), asym.public_key_to_bytes(pk)
+
+    def shared_key(sk: bytes, pk: bytes) -> bytes:
+        return sym.generate_shared_key(asym.bytes_to_private_key(sk), asym.bytes_to_public_key(pk))
+
+    return PairwiseCrypto(key_pair, shared_key, sym.encrypt, sym.decrypt)
+
+# --- shared-engine (fedsim/engine/shared.py) ------------------------------------------------------
+_SIMULATION = "flwr.simulation.run_simulation"
+
+PROBES["shared-engine"] = Probe(
+    "shared-engine", "one Ray and one set of client actors for every run of a sweep",
+    (f"{_RAYBACKEND}:BasicActorPool", f"{_RAYBACKEND}:RayBackend.terminate",
+     f"{_SIMULATION}:generate_rand_int_from_bytes", f"{_POOL}:pool_size_from_resources"),
+    "each run of a sweep starts and stops its own Ray, one run at a time")
+
+
+def actor_pool_size(client_resources: dict) -> int:
+    """How many client actors of `client_resources` fit in the running Ray cluster, node by node (Flower's rule)."""
+    require("shared-engine")
+    return _get(f"{_POOL}:pool_size_from_resources")(client_resources)
+
+
+def shared_engine_patches(pool_for: Callable[..., Any], run_id: int):
+    """While the returned context is open, every simulation's Ray backend takes its actor pool from
+    `pool_for(actor_type, client_resources, actor_kwargs)` and leaves Ray running when it ends, and
+    every `run_simulation` uses `run_id`: Flower stamps each new Message with the process-wide
+    `TaskIdentity.run_id` that `run_simulation` sets, so runs in flight together in one process
+    must share one id (each still has its own link state, nodes and contexts)."""
+    import contextlib
+
+    require("shared-engine")
+
+    @contextlib.contextmanager
+    def patched():
+        raybackend, simulation = importlib.import_module(_RAYBACKEND), importlib.import_module(_SIMULATION)
+        saved = raybackend.BasicActorPool, raybackend.RayBackend.terminate, simulation.generate_rand_int_from_bytes
+
+        def terminate(backend) -> None:  # the run's pool hands its actors back; Ray stays up
+            if backend.pool:
+                backend.pool.terminate_all_actors()
+
+        raybackend.BasicActorPool = lambda actor_type, client_resources, actor_kwargs: pool_for(
+            actor_type, client_resources, actor_kwargs)
+        raybackend.RayBackend.terminate = terminate
+        simulation.generate_rand_int_from_bytes = lambda num_bytes: run_id
+        try:
+            yield
+        finally:
+            raybackend.BasicActorPool, raybackend.RayBackend.terminate, simulation.generate_rand_int_from_bytes = saved
+
+    return patched()
+

@@ -10,6 +10,7 @@ message, as before.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 
@@ -80,11 +81,17 @@ class CompactClientApp(ClientApp):
         return _client_app(self.scenario_json, self.key, self.state_dir)(message, context)
 
 
-_CLIENT_APPS: dict[tuple[str, str | None], ClientApp] = {}
+CLIENT_APPS_KEPT = 4  # ClientApps a worker process keeps: runs of a sweep in flight together share actors
+_CLIENT_APPS: "collections.OrderedDict[tuple[str, str | None], ClientApp]" = collections.OrderedDict()
 
 
 def _client_app(scenario_json: str, key: str, state_dir: str | None) -> ClientApp:
-    if (key, state_dir) not in _CLIENT_APPS:
+    """The ClientApp of (scenario, state folder), built once per worker process and kept, most
+    recently used last, for the few runs that may be in flight on this actor (fedsim/engine/shared.py).
+    The key is the scenario's content, so a run never gets another scenario's app."""
+    if (key, state_dir) in _CLIENT_APPS:
+        _CLIENT_APPS.move_to_end((key, state_dir))
+    else:
         from fedsim.client.app import make_client_app
         from fedsim.runtime import scenario_key
         from fedsim.scenario import validate_scenario
@@ -92,6 +99,7 @@ def _client_app(scenario_json: str, key: str, state_dir: str | None) -> ClientAp
         scenario = validate_scenario(json.loads(scenario_json), "the simulated scenario")
         if scenario_key(scenario) != key:  # the JSON round trip must give back the very same scenario
             raise RuntimeError("the scenario sent to the client actors does not validate to the one the server runs")
-        _CLIENT_APPS.clear()  # one scenario at a time per worker process
+        while len(_CLIENT_APPS) >= CLIENT_APPS_KEPT:
+            _CLIENT_APPS.popitem(last=False)
         _CLIENT_APPS[key, state_dir] = make_client_app(scenario, state_dir)
     return _CLIENT_APPS[key, state_dir]

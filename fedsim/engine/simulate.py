@@ -202,15 +202,29 @@ def start_local_ray(original_init_ray, after_init: Callable[[], None], malloc_se
         init_args = dict(backend_config.get("init_args") or {})
         if ray.is_initialized() or init_args.get("address"):
             return original_init_ray(backend, backend_config)
-        init_args.setdefault("include_dashboard", False)
-        pythonpath = os.pathsep.join(sys.path)
-        if os.environ.get("PYTHONPATH"):
-            pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
-        os.environ["PYTHONPATH"] = pythonpath  # as Flower's init_ray sets it
-        with in_child_environment() if malloc_settings else contextlib.nullcontext():  # the workers' malloc
-            ray.init(**init_args)
+        init_local_ray(init_args, malloc_settings)
 
     return init_ray
+
+
+def workers_pythonpath() -> str:
+    """This process's import path, as Flower hands it to Ray's workers (PYTHONPATH)."""
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    return pythonpath
+
+
+def init_local_ray(init_args: dict, malloc_settings: bool) -> None:
+    """`ray.init` of a local Ray whose workers inherit PYTHONPATH and (optionally) fedsim's malloc
+    settings from this process's environment, with no job runtime environment (see start_local_ray)."""
+    import ray
+
+    init_args = dict(init_args)
+    init_args.setdefault("include_dashboard", False)
+    os.environ["PYTHONPATH"] = workers_pythonpath()  # as Flower's init_ray sets it
+    with in_child_environment() if malloc_settings else contextlib.nullcontext():  # the workers' malloc
+        ray.init(**init_args)
 
 
 @contextlib.contextmanager
@@ -286,7 +300,8 @@ def single_threaded_openblas():
 
 
 def simulate(scenario, run_dir: Path | RunFolder | None = None, verbose: bool = False, progress=None, client_app=None,
-             stop: threading.Event | None = None, signals=None, options: EngineOptions = EngineOptions()) -> Path:
+             stop: threading.Event | None = None, signals=None, options: EngineOptions = EngineOptions(),
+             engine=None) -> Path:
     """Run `scenario` on Ray-simulated clients; returns the run folder's path.
 
     `run_dir`: the run's folder (made here under `output.dir` when None; fedsim/runs/folder.py).
@@ -297,6 +312,8 @@ def simulate(scenario, run_dir: Path | RunFolder | None = None, verbose: bool = 
     SIGTERM's. Whatever ends the run early (an interrupt, an error), the ServerApp thread is told
     to stop and given `options.stop_grace_seconds` to finish writing the last completed round
     before the exception propagates.
+    `engine`: a running `SharedEngine` (fedsim/engine/shared.py) to run on, with its Ray and client
+    actors, instead of starting and stopping Ray for this run alone; several runs may share it at once.
     """
     from flwr.simulation import run_simulation
 
@@ -315,7 +332,10 @@ def simulate(scenario, run_dir: Path | RunFolder | None = None, verbose: bool = 
     after_ray_init = signals.reinstall if signals is not None else (lambda: None)
     node_map = registered_partitions if options.known_simulation_nodes else None
     try:
-        with engine_adjustments(options, after_ray_init), single_threaded_openblas():
+        # a shared engine holds the adjustments, Ray and the OpenBLAS limit for all its runs
+        own_engine = engine is None
+        with engine_adjustments(options, after_ray_init) if own_engine else contextlib.nullcontext(), \
+                single_threaded_openblas() if own_engine else contextlib.nullcontext():
             run_simulation(
                 server_app=make_server_app(scenario, folder, progress, checkpoints=scenario.output.checkpoints,
                                            on_rounds_done=completions.append, stop=stop, finished=server_finished,

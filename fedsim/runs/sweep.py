@@ -185,18 +185,47 @@ def is_done(run_dir: Path) -> bool:
     return (run_dir / "summary.json").exists()
 
 
-def run_sweep(folder: Path, runs: list[SweepRun], runner, on_done=None) -> list[Path]:
-    """Run every unfinished run with `runner(scenario, run_dir)`, in order; returns all run folders.
+def run_sweep(folder: Path, runs: list[SweepRun], runner, on_done=None, jobs: int = 1) -> list[Path]:
+    """Run every unfinished run with `runner(scenario, run_dir)`; returns all run folders, in grid order.
 
     An unfinished folder is handed to the runner as it is, so the runner resumes it from its
-    checkpoints; a finished one (summary.json) is skipped.
+    checkpoints; a finished one (summary.json) is skipped. `jobs` > 1: that many runs in flight at
+    once, each in a thread of this process (the runner shares one engine between them,
+    fedsim/engine/shared.py); the first run that raises stops new runs from starting, and is
+    raised once the runs in flight have ended.
     """
-    dirs = []
-    for run in runs:
-        run_dir = folder / run.name
-        if not is_done(run_dir):
+    todo = [run for run in runs if not is_done(folder / run.name)]
+    if jobs <= 1:
+        for run in todo:
             runner(run.scenario, prepare(run, folder))
-        dirs.append(run_dir)
-        if on_done is not None:
-            on_done(run)
-    return dirs
+            if on_done is not None:
+                on_done(run)
+    else:
+        _run_in_threads(folder, todo, runner, on_done, jobs)
+    return [folder / run.name for run in runs]
+
+
+def _run_in_threads(folder: Path, todo: list[SweepRun], runner, on_done, jobs: int) -> None:
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    pending, active, failure = list(todo), {}, None
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="fedsim-run") as pool:
+        try:
+            while pending or active:
+                while pending and failure is None and len(active) < jobs:
+                    run = pending.pop(0)
+                    active[pool.submit(runner, run.scenario, prepare(run, folder))] = run
+                if not active:
+                    break
+                done, _ = wait(list(active), timeout=0.2, return_when=FIRST_COMPLETED)
+                for future in done:
+                    run = active.pop(future)
+                    if future.exception() is not None:
+                        failure = failure or future.exception()
+                    elif on_done is not None:
+                        on_done(run)
+        except BaseException:  # an interrupt in this thread: the runs in flight see the sweep's stop event
+            wait(list(active))
+            raise
+    if failure is not None:
+        raise failure

@@ -1,0 +1,191 @@
+"""One Ray and one set of client actors for every run of a sweep.
+
+A run on its own starts Ray (~4 s on two cores), creates its client actors (each a fresh worker
+process that imports torch and fedsim and maps the data: most of a quickstart run's first round)
+and stops them and Ray again (~2 s); for a quickstart-sized run that is most of its time.
+`SharedEngine` pays it once: it starts a local Ray (or attaches to a cluster's address), holds the
+engine adjustments of fedsim/engine/simulate.py, and lends its client actors to every run started
+with `simulate(..., engine=...)`, one message at a time, so that runs in flight together share the
+cluster's actors: the CPU/GPU budget is the cluster's, however many runs are in flight.
+
+Why a run on shared actors computes what it computes alone: a run's messages already land on
+whichever actor is free, so nothing a client computes may depend on the process it runs in (its
+randomness is seeded per round and client, fedsim/seeding.py; its memory is in its Context or its
+state folder). What an actor keeps between messages is the ClientApp built from the scenario's
+exact JSON (fedsim/engine/ray_actor.py), keyed by the scenario's content and state folder, and
+the datasets' caches, keyed by their files; a run never sees another scenario's app.
+
+Flower's engine is reached only through fedsim/engine/flower_compat.py (`shared_engine_patches`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import random
+import threading
+
+from fedsim.engine import flower_compat
+from fedsim.engine.options import EngineOptions
+
+log = logging.getLogger("fedsim")
+
+
+class SharedActors:
+    """Client actors of one resource shape, idle ones in a queue that every run's pool draws from."""
+
+    def __init__(self, create, size: int) -> None:
+        self.actors = [create() for _ in range(size)]
+        self.idle: queue.Queue = queue.Queue()
+        for actor in self.actors:
+            self.idle.put(actor)
+        self.leases = 0  # runs using these actors now
+        self.lock = threading.Lock()
+
+    def kill(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+class RunPool:
+    """What Flower's Ray backend expects of its `BasicActorPool`, for one run, on shared actors.
+
+    The run gets as many engine workers as there are shared actors; each worker borrows an idle
+    actor for one message and gives it back, so runs in flight together divide the actors between
+    them message by message. Ending the run gives the actors back instead of killing them."""
+
+    def __init__(self, shared: SharedActors) -> None:
+        self.shared = shared
+        self.num_actors = self.actors_capacity = len(shared.actors)
+        self.pool: list = []  # Flower's idle list; the idle actors are in shared.idle
+        self._future_to_actor: dict = {}
+        with shared.lock:
+            shared.leases += 1
+        self._ended = False
+
+    def add_actors_to_pool(self, num_actors: int) -> None:
+        """The shared actors exist already."""
+
+    def is_actor_available(self) -> bool:
+        return not self.shared.idle.empty()
+
+    def submit(self, actor_fn, job):
+        actor = self.shared.idle.get()
+        try:
+            future = actor_fn(actor, *job)
+        except BaseException:
+            self.shared.idle.put(actor)
+            raise
+        self._future_to_actor[future] = actor
+        return future
+
+    def add_actor_back_to_pool(self, future) -> None:
+        self.shared.idle.put(self._future_to_actor.pop(future))
+
+    def fetch_result_and_return_actor_to_pool(self, future):
+        import ray
+
+        try:
+            _, out_message, updated_context = ray.get(future)
+        finally:
+            self.add_actor_back_to_pool(future)
+        return out_message, updated_context
+
+    def terminate_all_actors(self) -> None:
+        if not self._ended:
+            self._ended = True
+            with self.shared.lock:
+                self.shared.leases -= 1
+
+
+class SharedEngine:
+    """A running Ray with client actors, shared by every `simulate(..., engine=self)` while open.
+
+    `address`: an existing Ray cluster (`ray start --head` ...) to attach to; None starts a local
+    one on this machine's cores. `after_ray_init` runs once Ray is up (`ray.init` replaces SIGTERM's
+    handler; the CLI puts its own back)."""
+
+    def __init__(self, address: str | None = None, verbose: bool = False, options: EngineOptions = EngineOptions(),
+                 after_ray_init=lambda: None) -> None:
+        self.address, self.verbose, self.options, self.after_ray_init = address, verbose, options, after_ray_init
+        self.shapes: dict[str, SharedActors] = {}
+        self.lock = threading.Lock()
+        self.stack = contextlib.ExitStack()
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the installed Flower lets runs share an engine (else a sweep starts Ray per run)."""
+        return flower_compat.PROBES["shared-engine"].holds() and flower_compat.PROBES["simulation-engine"].holds()
+
+    def __enter__(self) -> "SharedEngine":
+        from fedsim.engine.allocator import apply_to_this_process
+        from fedsim.engine.simulate import engine_adjustments, quiet_logs, single_threaded_openblas
+
+        quiet_logs(self.verbose)
+        if self.options.malloc_settings:
+            apply_to_this_process()
+        try:
+            self.stack.enter_context(single_threaded_openblas())  # before Ray forks (see there)
+            self.start_ray()
+            self.after_ray_init()
+            self.stack.enter_context(engine_adjustments(self.options))
+            # one run id for the engine's runs (random, as Flower's own: Message ids are per run state)
+            run_id = random.SystemRandom().randrange(1, 2**62)
+            self.stack.enter_context(flower_compat.shared_engine_patches(self.pool_for, run_id))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start_ray(self) -> None:
+        import ray
+
+        from fedsim.engine.simulate import OBJECT_STORE_BYTES, init_local_ray, workers_pythonpath
+
+        init_args = {"logging_level": "INFO" if self.verbose else "ERROR", "log_to_driver": self.verbose,
+                     "include_dashboard": False}
+        if ray.is_initialized():
+            return
+        if self.address:  # a cluster's workers inherit nothing from this process: PYTHONPATH goes in the job's env
+            ray.init(address=self.address, runtime_env={"env_vars": {"PYTHONPATH": workers_pythonpath()}}, **init_args)
+        else:
+            init_local_ray(dict(init_args, num_cpus=os.cpu_count() or 1, object_store_memory=OBJECT_STORE_BYTES),
+                           self.options.malloc_settings)
+        self.stack.callback(ray.shutdown)
+
+    def pool_for(self, actor_type, client_resources: dict, actor_kwargs: dict) -> RunPool:
+        """A run's pool on the shared actors of its resource shape, created on first use. A new
+        shape first releases the idle actors of other shapes, so that they do not hold the cores."""
+        key = json.dumps([getattr(actor_type, "__name__", str(actor_type)), client_resources,
+                          sorted((actor_kwargs or {}).items(), key=str)], sort_keys=True, default=str)
+        with self.lock:
+            if key not in self.shapes:
+                for other, actors in list(self.shapes.items()):
+                    if actors.leases == 0:
+                        actors.kill()
+                        del self.shapes[other]
+                size = flower_compat.actor_pool_size(client_resources)
+                if size < 1:
+                    raise RuntimeError(f"no node of the Ray cluster can host a client with resources {client_resources}")
+                create = lambda: actor_type.options(**client_resources).remote(**(actor_kwargs or {}))  # noqa: E731
+                self.shapes[key] = SharedActors(create, size)
+                log.info("shared engine: %d client actors with %s", size, client_resources)
+            return RunPool(self.shapes[key])
+
+    def close(self) -> None:
+        with self.lock:
+            for actors in self.shapes.values():
+                actors.kill()
+            self.shapes.clear()
+        self.stack.close()
+
