@@ -41,8 +41,26 @@ def preflight(scenario, source: str = "<scenario>") -> None:
             field = "attack.edge_set" if hasattr(scenario.attack, "edge_set") else "attack"
             problems.append((field, str(err), scenario.attack.name))
     problems += tracking_problems(scenario)
+    problems += secure_aggregation_data_problems(rt)
     if problems:
         raise ScenarioError(source, problems)
+
+
+def secure_aggregation_data_problems(rt) -> list[tuple[str, str, object]]:
+    """SecAgg+ quantises each client's weight as round(Q·w/W): a partition larger than an explicit
+    `max_weight` W would overflow the weight's range (Flower only warns, on the client)."""
+    sa = rt.scenario.secure_aggregation
+    if sa is None or sa.max_weight is None:
+        return []
+    try:
+        largest = max(len(p) for p in rt.partitions)
+    except (ValueError, RuntimeError):
+        return []  # reported as data.partition
+    if largest > sa.max_weight:
+        return [("secure_aggregation.max_weight", f"the largest partition holds {largest} examples, more than "
+                 f"max_weight={sa.max_weight:g}: its quantised weight would overflow; raise it or leave it unset "
+                 "(the largest partition)", sa.max_weight)]
+    return []
 
 
 def tracking_problems(scenario) -> list[tuple[str, str, object]]:

@@ -17,6 +17,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from fedsim.devices import DeviceName, GpuShare
 from fedsim.registry import AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, Registry
+from fedsim.secagg.config import SecureAggregationSection, secure_aggregation_problems
+from fedsim.secagg.config import parse_section as parse_secure_aggregation
 
 
 MAX_CLIENTS = 1_000_000  # registered clients a scenario may name (far beyond what one machine simulates)
@@ -215,6 +217,7 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
         defense_check = DEFENSES.get(d.name).capability("scenario_check")
         if defense_check is not None:
             out += defense_check(sc, i)
+    out += secure_aggregation_problems(sc)  # what needs individual updates the server no longer sees
     if sc.lowrank is not None:
         # defenses that declare they rely on the model's tensors staying as they are (a per-layer
         # history, named layers): fixed_layers(spec) -> bool in their registry entry
@@ -262,6 +265,9 @@ def build_scenario_model() -> type[BaseModel]:
         server: ServerSection = Field(default_factory=ServerSection)
         evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
         output: OutputSection = Field(default_factory=OutputSection)
+        secure_aggregation: Annotated[SecureAggregationSection, BeforeValidator(parse_secure_aggregation)] | None = Field(
+            None, description="secure aggregation: {name: secaggplus, ...}; the server sees only the sum of a round's "
+            "updates (docs/secure_aggregation.md)")
         tracking: Annotated[list[TrackingSink], AfterValidator(distinct_sinks)] = Field(
             default_factory=list, description="copy the run into tensorboard / mlflow / wandb as it runs (docs/tracking.md)")
 

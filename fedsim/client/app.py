@@ -30,6 +30,9 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.engine.flower_compat import flower_log as flwr_log
+from fedsim.engine.flower_compat import is_legacy_fit_ins, legacy_fit_ins, legacy_fit_res
+from fedsim.client.lightsecagg import lightsecagg_mod
+from fedsim.client.secure import clip_before_masking, model_from_arrays, secure_aggregation_mod
 from fedsim.attacks.base import AttackerRound, attacker_train_config
 from fedsim.data.local import NODE_CONFIG_KEY as LOCAL_DATA
 from fedsim.runs.checkpoint import load_client, save_client
@@ -153,14 +156,18 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         say(logging.INFO, "query partition %d", partition_id(context))
         return Message(RecordDict({"info": MetricRecord({"partition-id": partition_id(context)})}), reply_to=msg)
 
-    @app.train()
+    @app.train(mods=[secure_aggregation_mod, lightsecagg_mod])
     def train_handler(msg: Message, context: Context) -> Message:
         started = time.perf_counter()
         rt = runtime_for(scenario_for_node(scenario if scenario is not None else scenario_from_context(context), context))
         # as many threads as the actor has CPUs (one by default): parallelism comes from the actors
         torch.set_num_threads(max(1, int(rt.scenario.federation.client_cpus)))
         pid = partition_id(context)
-        config = msg.content["config"]
+        secure = is_legacy_fit_ins(msg.content)  # a secure round: Flower's legacy fit records (fedsim/server/secure.py)
+        if secure:
+            model_arrays, config = legacy_fit_ins(msg.content)
+        else:
+            config = msg.content["config"]
         aggregator = rt.scenario.aggregator.name
         protocol_step = AGGREGATORS.get(aggregator).capability("client_step")
         if protocol_step is not None:  # one exchange of a multi-exchange protocol (FedMA's layer-wise matching)
@@ -174,7 +181,7 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         rnd = int(config["server-round"])
         data = own_data(rt, context, pid, config)
         layout = rt.layout_for(model_ranks(config))
-        global_vec = unpack_model(msg.content["arrays"], layout)
+        global_vec = model_from_arrays(model_arrays, layout) if secure else unpack_model(msg.content["arrays"], layout)
         state_dir = state_folder(context, default_state_dir)
         state = {}
         if CLIENT_STATE in context.state:
@@ -190,6 +197,8 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         delta = result.delta
         if not attacking(rt, pid):  # local DP: an honest update is clipped and noised before it leaves (docs/privacy.md)
             delta = privatize_release(delta, rt.scenario.federation.local_dp, rt.scenario.seed, rnd, pid)
+        if secure:  # clipped before masking: the norm bound that survives secure aggregation
+            delta = clip_before_masking(delta, rt.scenario.secure_aggregation, attacking(rt, pid))
         payload, state = rt.codec.encode(delta, layout, state)
         if state:
             state["layout-dim"] = np.array([layout.dim], dtype=np.int64)
@@ -200,7 +209,10 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
                 save_client(state_dir, pid, rnd, state)
         metrics = MetricRecord({"num-examples": int(result.num_examples), "train-loss": float(result.stats["loss"]),
                                 "partition-id": pid})
-        content = RecordDict({"update": pack_payload(payload), "metrics": metrics})
+        if secure:  # what the protocol's mod quantises and masks: the flat update and its example count
+            content = legacy_fit_res([delta.numpy()], int(result.num_examples), dict(metrics))
+        else:
+            content = RecordDict({"update": pack_payload(payload), "metrics": metrics})
         if attacking(rt, pid):  # the attack's cost
             content[ATTACK_METRICS_RECORD] = MetricRecord({"train-seconds": train_seconds})
         if result.shared is not None:

@@ -28,7 +28,12 @@ NodeMap = Callable[[Grid, float], "dict[int, int] | None"]  # (grid, timeout) ->
 
 
 def strategy_class(scenario) -> type[ScenarioStrategy]:
-    """FedMA's layer-wise protocol needs its own strategy; every [n, d] rule runs in ScenarioStrategy."""
+    """FedMA's layer-wise protocol needs its own strategy; secure aggregation its four exchanges
+    (fedsim/server/secure.py); every other [n, d] rule runs in ScenarioStrategy."""
+    if getattr(scenario, "secure_aggregation", None) is not None:
+        from fedsim.server.secure import SecureAggregationStrategy
+
+        return SecureAggregationStrategy
     return AGGREGATORS.get(scenario.aggregator.name).capability("strategy") or ScenarioStrategy
 
 

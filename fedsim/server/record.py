@@ -14,7 +14,7 @@ Which fields a line has:
   `aggregated`, `global_norm` and `model_params`;
 - with a certifying defense (CRFL), on its rounds, `certification`; with `federation.local_dp`, `local_privacy`;
 - with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
-  DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields.
+  DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields; under secure aggregation `secure_aggregation` and `secure_aggregation_seconds`.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ class RoundRecord:
     model_growth: float | _Unset = UNSET  # FedMA: global parameters / initial parameters
     match_seconds: float | _Unset = UNSET  # FedMA: seconds spent in BBP-MAP matching
     pipeline_seconds: float | _Unset = UNSET  # seconds in the round's pipeline: server-side attack, defenses, rule
+    secure_aggregation: dict | _Unset = UNSET  # under secure aggregation: protocol, groups (members, summed, num_shares,
+    #   threshold, halted), summed clients, bytes per protocol stage, max_weight, the quantisation error bound
+    secure_aggregation_seconds: dict | _Unset = UNSET  # under secure aggregation: the server's own protocol seconds and
+    #   each client's (outside its training)
     main_accuracy: float | None | _Unset = UNSET  # accuracy on the (subsampled) test set, on evaluated rounds
     main_loss: float | None | _Unset = UNSET  # cross-entropy on that test set
     backdoor_success: float | None | _Unset = UNSET  # share of the attack's test set sent to its target; null without attack
@@ -88,7 +92,8 @@ class RoundRecord:
 
 _NAMES = frozenset(f.name for f in fields(RoundRecord))
 # Wall-clock fields: they differ from run to run; everything else in a line is reproducible.
-TIME_FIELDS = frozenset({"wall_seconds", "match_seconds", "pipeline_seconds", "attacker_train_seconds"})
+TIME_FIELDS = frozenset({"wall_seconds", "match_seconds", "pipeline_seconds", "attacker_train_seconds",
+                         "secure_aggregation_seconds"})
 
 
 def without_times(lines: list[dict]) -> list[dict]:
