@@ -12,5 +12,6 @@ from fedsim.attacks import mimic  # noqa: F401  (registers)
 from fedsim.attacks import blended  # noqa: F401  (registers)
 from fedsim.attacks import neurotoxin  # noqa: F401  (registers)
 from fedsim.attacks import a3fl  # noqa: F401  (registers)
+from fedsim.attacks import alie_colluding  # noqa: F401  (registers)
 
 __all__ = ["AttackParams", "ClientAttack", "ServerAttack"]
