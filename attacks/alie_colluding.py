@@ -31,6 +31,7 @@ from fedsim.seeding import TRAIN, derive_seed
 
 
 class ALIEColludingParams(AttackParams):
+    num_attackers: int = Field(2, ge=1, description="colluders; at least 2 (a std needs two updates)")
     z: float | None = Field(None, description="deviation in colluders' stds; None = z_max(n = clients per round, f = pool size)")
     unbiased: bool = Field(True, description="unbiased std over the colluders' updates (as the NDSS'21 code's torch.std)")
 
