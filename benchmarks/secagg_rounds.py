@@ -26,38 +26,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from flwr.app import Error, Message  # noqa: E402
 
 from fedsim.client.app import make_client_app  # noqa: E402
-from fedsim.engine.flower_compat import secaggplus_record_key, stamp_message_id  # noqa: E402
-from fedsim.engine.local_grid import LocalGrid  # noqa: E402
+from fedsim.engine.local_grid import StageDropGrid  # noqa: E402
 from fedsim.runs.folder import RunFolder  # noqa: E402
 from fedsim.runs.results import read_rounds  # noqa: E402
 from fedsim.runtime import runtime_for  # noqa: E402
 from fedsim.scenario import load_scenario  # noqa: E402
 from fedsim.server.app import run_server  # noqa: E402
-
-
-class StageDropGrid(LocalGrid):
-    """The in-process grid with chosen clients gone from a chosen SecAgg+ stage on (the link answers)."""
-
-    def __init__(self, app, n: int, drop: dict[int, str]) -> None:
-        super().__init__(app, n)
-        self.drop, self.gone = drop, set()
-
-    def send_and_receive(self, messages, *, timeout=None):
-        keep, out, keys = [], [], (secaggplus_record_key(), "lightsecagg")
-        for m in messages:
-            pid = int(self._ctx[m.metadata.dst_node_id].node_config["partition-id"])
-            key = next((k for k in keys if k in m.content.config_records), None)
-            stage = m.content.config_records[key].get("stage") if key else None
-            if pid in self.drop and (self.drop[pid] == stage or pid in self.gone):
-                self.gone.add(pid)
-                stamp_message_id(m, f"gone-{pid}-{stage}")
-                out.append(Message(Error(code=0, reason="the node is offline"), reply_to=m))
-            else:
-                keep.append(m)
-        return list(super().send_and_receive(keep, timeout=timeout)) + out
 
 
 PROTOCOLS = {  # the section and the stage a dropped client leaves at: after keys/shares, before its masked upload

@@ -12,11 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Error, Message
 
 from fedsim.client.app import local_update, make_client_app
-from fedsim.engine.flower_compat import secaggplus_record_key
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.engine.local_grid import LocalGrid, StageDropGrid
 from fedsim.runs.checkpoint import load_server
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
@@ -26,32 +24,6 @@ from fedsim.server.app import run_server
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT_SLACK = 2e-6  # float32 rounding of the global model (|w| < 10) on top of the protocol's bound
-
-
-class StageDropGrid(LocalGrid):
-    """LocalGrid whose chosen clients drop at a chosen SecAgg+ stage: the link answers for them with an
-    error from then on, as for a node that went offline mid-protocol."""
-
-    def __init__(self, app, n: int, drop: dict[int, str]) -> None:
-        super().__init__(app, n)
-        self.drop = drop
-        self.gone: set[int] = set()
-
-    def send_and_receive(self, messages, *, timeout=None):
-        keep, out = [], []
-        keys = (secaggplus_record_key(), "lightsecagg")
-        for m in messages:
-            pid = int(self._ctx[m.metadata.dst_node_id].node_config["partition-id"])
-            key = next((k for k in keys if k in m.content.config_records), None)
-            stage = m.content.config_records[key].get("stage") if key else None
-            if pid in self.drop and (self.drop[pid] == stage or pid in self.gone):
-                self.gone.add(pid)
-                from fedsim.engine.flower_compat import stamp_message_id
-                stamp_message_id(m, f"gone-{pid}-{stage}")
-                out.append(Message(Error(code=0, reason="the node is offline"), reply_to=m))
-            else:
-                keep.append(m)
-        return list(super().send_and_receive(keep, timeout=timeout)) + out
 
 
 def scenario(*overrides: str):

@@ -11,7 +11,7 @@ from flwr.serverapp import Grid
 
 from uuid import uuid4
 
-from fedsim.engine.flower_compat import act_as_superlink, from_the_link, stamp_message_id
+from fedsim.engine.flower_compat import act_as_superlink, from_the_link, secaggplus_record_key, stamp_message_id
 
 
 class LocalGrid(Grid):
@@ -65,3 +65,30 @@ class LocalGrid(Grid):
                 reply = self.tamper(int(ctx.node_config["partition-id"]), reply)
             out.append(reply)
         return out[::-1]  # reversed arrival order: aggregation must not depend on it
+
+
+class StageDropGrid(LocalGrid):
+    """LocalGrid whose chosen clients drop at a chosen secure-aggregation stage (SecAgg+ or
+    LightSecAgg, `drop`: partition id -> stage name): the link answers for them with an error from
+    then on, as for a node that went offline mid-protocol (the dropout tests and
+    benchmarks/secagg_rounds.py)."""
+
+    def __init__(self, app, n: int, drop: dict[int, str]) -> None:
+        super().__init__(app, n)
+        self.drop = drop
+        self.gone: set[int] = set()
+
+    def send_and_receive(self, messages, *, timeout=None):
+        keep, out = [], []
+        keys = (secaggplus_record_key(), "lightsecagg")
+        for m in messages:
+            pid = int(self._ctx[m.metadata.dst_node_id].node_config["partition-id"])
+            key = next((k for k in keys if k in m.content.config_records), None)
+            stage = m.content.config_records[key].get("stage") if key else None
+            if pid in self.drop and (self.drop[pid] == stage or pid in self.gone):
+                self.gone.add(pid)
+                stamp_message_id(m, f"gone-{pid}-{stage}")
+                out.append(Message(Error(code=0, reason="the node is offline"), reply_to=m))
+            else:
+                keep.append(m)
+        return list(super().send_and_receive(keep, timeout=timeout)) + out
