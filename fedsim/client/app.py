@@ -199,7 +199,9 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
             delta = privatize_release(delta, rt.scenario.federation.local_dp, rt.scenario.seed, rnd, pid)
         if secure:  # clipped before masking: the norm bound that survives secure aggregation
             delta = clip_before_masking(delta, rt.scenario.secure_aggregation, attacking(rt, pid))
-        payload, state = rt.codec.encode(delta, layout, state)
+        payload = None
+        if not secure:  # a secure round uploads the dense update through the protocol (codecs are refused there)
+            payload, state = rt.codec.encode(delta, layout, state)
         if state:
             state["layout-dim"] = np.array([layout.dim], dtype=np.int64)
         state.update({ATTACK_MEMORY + k: np.asarray(v) for k, v in memory.items()})

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
+from fedsim.defenses.clipping import clip_rows
 from fedsim.engine.flower_compat import SECAGG_STAGES, is_legacy_fit_ins, legacy_fit_ins, secaggplus_client_mod
 from fedsim.engine.flower_compat import secaggplus_record_key
 from fedsim.wire import BACKDOOR_RECORD, PayloadError
@@ -49,8 +50,7 @@ def clip_before_masking(delta: torch.Tensor, sa, attacker: bool) -> torch.Tensor
     skips it when `clip_attackers` is false (it controls its own client code)."""
     if sa is None or sa.clip_norm is None or (attacker and not sa.clip_attackers):
         return delta
-    norm = float(torch.linalg.vector_norm(delta))
-    return delta * (sa.clip_norm / norm) if norm > sa.clip_norm else delta
+    return clip_rows(delta[None], sa.clip_norm)[0][0]  # the server's norm clipping, moved to the client
 
 
 def secure_aggregation_mod(msg: Message, context, call_next) -> Message:
