@@ -37,10 +37,10 @@ from flwr.serverapp import Grid
 from fedsim.engine.flower_compat import (SECAGG_STAGES, recorddict_size, run_secaggplus, secaggplus_record_key)
 from fedsim.client.secure import SECAGG_TIMING  # a client's protocol seconds (a measurement)
 from fedsim.server.lightsecagg import RECORD as LIGHTSECAGG_RECORD, STAGES as LIGHTSECAGG_STAGES, run_lightsecagg
-from fedsim.seeding import derive_seed, torch_generator, SERVER
+from fedsim.seeding import derive_seed
 from fedsim.server.record import RoundRecord
 from fedsim.server.strategy import ReplyOwners, ScenarioStrategy
-from fedsim.updates import RoundContext, UpdateBatch
+from fedsim.updates import UpdateBatch
 from fedsim.wire import MEASUREMENT_RECORDS, pack_model
 
 log = logging.getLogger("fedsim")
@@ -205,15 +205,9 @@ class SecureAggregationStrategy(ScenarioStrategy):
             log.warning("round %s skipped: %s", server_round, record.skipped)
             return None, None
         batch = UpdateBatch(torch.stack(means), torch.tensor(totals, dtype=torch.float32), tuple(row_ids))
-        if self.device.type != "cpu":
-            batch = UpdateBatch(batch.updates.to(self.device), batch.weights.to(self.device), batch.client_ids)
-        ctx = RoundContext(server_round, self.global_vec.to(self.device), self.layout,
-                           torch_generator(self.scenario.seed, SERVER, server_round), tools=self.tools)
         groups = [[p] for p in row_ids] if self.pipeline.needs_groups else None
-        t_pipeline = time.perf_counter()
-        outcome = self.pipeline.run(batch, set(), ctx, groups)  # rows: the secure group means, never a client's update
-        record.pipeline_seconds = time.perf_counter() - t_pipeline
-        record.defenses = outcome.defenses
+        # rows: the secure group means, never a client's update
+        _, outcome = self.run_pipeline(batch, set(), server_round, groups)
         if outcome.aggregator is not None:
             record.aggregator = outcome.aggregator
         if outcome.skipped is not None:

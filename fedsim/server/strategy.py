@@ -344,6 +344,20 @@ class ScenarioStrategy(Strategy):
         if shared is not None and (self._report is None or pid < self._report[0]):
             self._report = (pid, shared)
 
+    def run_pipeline(self, batch: UpdateBatch, strikers: set, server_round: int, groups):
+        """The round's pipeline (attack, defenses, rule) on `server.device`, timed into the pending
+        round's record with its defenses' reports; the global model stays on CPU. Returns the batch as
+        the pipeline saw it (on that device) and the outcome."""
+        if self.device.type != "cpu":
+            batch = UpdateBatch(batch.updates.to(self.device), batch.weights.to(self.device), batch.client_ids)
+        ctx = RoundContext(server_round, self.global_vec.to(self.device), self.layout,
+                           torch_generator(self.scenario.seed, SERVER, server_round), tools=self.tools)
+        started = time.perf_counter()
+        outcome = self.pipeline.run(batch, strikers, ctx, groups)
+        self.pending.pipeline_seconds = time.perf_counter() - started
+        self.pending.defenses = outcome.defenses
+        return batch, outcome
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         server_round += self.offset
         t_start = time.perf_counter()
@@ -371,14 +385,7 @@ class ScenarioStrategy(Strategy):
             record.skipped = f"{len(rows)} valid updates, fewer than federation.min_replies={self.scenario.federation.min_replies}"
             log.warning("round %s skipped: %s", server_round, record.skipped)
             return None, None
-        if self.device.type != "cpu":  # defenses and rule on the server's device; the global model stays on CPU
-            batch = UpdateBatch(batch.updates.to(self.device), batch.weights.to(self.device), batch.client_ids)
-        ctx = RoundContext(server_round, self.global_vec.to(self.device), self.layout,
-                           torch_generator(self.scenario.seed, SERVER, server_round), tools=self.tools)
-        t_pipeline = time.perf_counter()
-        outcome = self.pipeline.run(batch, strikers, ctx, record.groups or None)
-        record.pipeline_seconds = time.perf_counter() - t_pipeline
-        record.defenses = outcome.defenses
+        batch, outcome = self.run_pipeline(batch, strikers, server_round, record.groups or None)
         if outcome.attack is not None:  # the attackers' norms are those of the updates the attack crafted
             crafted = outcome.attack.pop("norms")
             record.attacker_update_norms = {**record.attacker_update_norms, **crafted}
