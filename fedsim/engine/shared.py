@@ -87,7 +87,11 @@ class RunPool:
         return future
 
     def add_actor_back_to_pool(self, future) -> None:
-        self.shared.idle.put(self._future_to_actor.pop(future))
+        """Once per future: after a failed fetch (an actor killed mid-task) Flower's backend returns
+        the actor again, which `fetch_result_and_return_actor_to_pool` has already done."""
+        actor = self._future_to_actor.pop(future, None)
+        if actor is not None:
+            self.shared.idle.put(actor)
 
     def fetch_result_and_return_actor_to_pool(self, future):
         import ray
