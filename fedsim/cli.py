@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import sys
 import threading
@@ -301,42 +303,56 @@ def stopped(code: int, scenario, run_dir: Path | None, fresh: bool) -> int:
 
 
 def cmd_sweep(args) -> int:
-    import shlex
+    from fedsim.runs.sweep import Grid, is_done, sweep_dir
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    grid = Grid.read(args.file, args.set)
+    with contextlib.ExitStack() as engine_closes:
+        # Ray starts while the runs are validated, and the first run's client actors warm up
+        # while this process imports the server and checks the files (fedsim/engine/shared.py)
+        engine = begin_sweep_engine(args, grid)
+        if engine is not None:
+            engine_closes.callback(engine.close)
+        name, runs = grid.name, grid.validated()
+        folder = sweep_dir(name, runs, args.output)
+        again = clear_runs_that_trained_nothing(folder, runs)
+        todo = [r for r in runs if not is_done(folder / r.name)]
+        if engine is not None:
+            from fedsim.runs.report import load_drawing
 
-    from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
+            load_drawing()  # while Ray is still starting
+            engine = start_sweep_engine(args, engine, todo)
+        import shlex
 
-    from fedsim.runs.report import markdown_table, write_report
-    from fedsim.runs.sweep import expand, is_done, sweep_dir
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    name, runs = expand(args.file, args.set)
-    preflight_runs(runs, str(args.file))
-    folder = sweep_dir(name, runs, args.output)
-    again = clear_runs_that_trained_nothing(folder, runs)
-    todo = [r for r in runs if not is_done(folder / r.name)]
-    console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}"
-                  + (f"; {len(again)} that trained nothing last time run again" if again else ""))
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
-    stop = threading.Event()
-    with on_signals(stop) as signals:
-        try:
-            with Progress(*columns, console=console) as progress:
-                overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
-                if todo:
-                    run_on_one_engine(folder, runs, todo, args, progress, overall, stop, signals)
-        except (RunInterrupted, RunStopped) as err:
-            code = err.exit_code if isinstance(err, RunInterrupted) else 130
-            done = sum(finished(folder / r.name) for r in runs)
-            again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
-                     *(["--output", str(args.output)] if args.output is not None else []),
-                     *(["--jobs", str(args.jobs)] if args.jobs != 2 else [])]
-            err_console.print(f"sweep interrupted ({err}): {done} of {len(runs)} runs finished, in {folder}; "
-                              f"continue with: {shlex.join(again)}", markup=False, highlight=False, soft_wrap=True)
-            if not wait_for_threads(5.0):
-                exit_now(code)
-            return code
-    path = write_report([folder], folder / "report")
+        from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
+        from fedsim.runs.report import markdown_table, write_report
+
+        preflight_runs(runs, str(args.file))
+        console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}"
+                      + (f"; {len(again)} that trained nothing last time run again" if again else ""))
+        columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+        stop = threading.Event()
+        with on_signals(stop) as signals:
+            try:
+                with Progress(*columns, console=console) as progress:
+                    overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
+                    if todo:
+                        run_on_one_engine(folder, runs, todo, args, progress, overall, stop, signals, engine)
+            except (RunInterrupted, RunStopped) as err:
+                code = err.exit_code if isinstance(err, RunInterrupted) else 130
+                done = sum(finished(folder / r.name) for r in runs)
+                again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
+                         *(["--output", str(args.output)] if args.output is not None else []),
+                         *(["--jobs", str(args.jobs)] if args.jobs != 2 else [])]
+                err_console.print(f"sweep interrupted ({err}): {done} of {len(runs)} runs finished, in {folder}; "
+                                  f"continue with: {shlex.join(again)}", markup=False, highlight=False, soft_wrap=True)
+                if not wait_for_threads(5.0):
+                    exit_now(code)
+                return code
+        if engine is not None:  # Ray shuts down while the report is drawn
+            engine_closes.callback(engine.close_in_background().join)
+        path = write_report([folder], folder / "report")
     done = [folder / r.name for r in runs if finished(folder / r.name)]
     print(markdown_table(done, {d: d.name for d in done}))
     console.print(f"report: {path}")
@@ -393,24 +409,45 @@ def clear_runs_that_trained_nothing(folder: Path, runs) -> list[str]:
     return names
 
 
-def run_on_one_engine(folder: Path, runs, todo, args, progress, overall, stop, signals) -> None:
-    """`fedsim sweep`: every unfinished run on one Ray engine (fedsim/engine/shared.py), started
-    once (or attached to `federation.ray_address` / $RAY_ADDRESS), `--jobs` runs in flight at once,
-    sharing its client actors. A Flower without what the shared engine needs runs them one at a
-    time, each starting its own Ray."""
+def begin_sweep_engine(args, grid):
+    """The sweep's one Ray engine (fedsim/engine/shared.py), its Ray starting in the background
+    (or attaching to `federation.ray_address` / $RAY_ADDRESS, as the sweep's base scenario says)."""
     from fedsim.engine.shared import SharedEngine
-    from fedsim.engine.simulate import ray_address, simulate
-    from fedsim.runs.sweep import run_sweep
+
+    federation = grid.base.get("federation")
+    address = federation.get("ray_address") if isinstance(federation, dict) else None  # validated with the runs
+    return SharedEngine(address=address or os.environ.get("RAY_ADDRESS") or None, verbose=args.verbose).begin()
+
+
+def start_sweep_engine(args, engine, todo):
+    """`engine` up, with the first unfinished run's client actors warming up; None (closed) when
+    nothing is left to run or the installed Flower lacks what a shared engine needs."""
+    from fedsim.engine.ray_start import ray_address
+    from fedsim.engine.shared import SharedEngine
     from fedsim.scenario import ScenarioError
 
     addresses = {ray_address(r.scenario) for r in todo}
-    if len(addresses) > 1:
+    if addresses - {engine.address}:  # a swept or case-set address
         raise ScenarioError(str(args.file), [("federation.ray_address", "the runs of one sweep share one Ray cluster",
-                                              sorted(map(str, addresses)))])
-    shared = SharedEngine.available()
-    if not shared:
+                                              sorted(map(str, addresses | {engine.address})))])
+    if not todo:
+        engine.close()
+        return None
+    engine.start(todo[0].scenario)
+    if not SharedEngine.available():  # imports Flower's engine: after Ray's start, while the actors warm up
+        engine.close()
         err_console.print("warning: this Flower lacks what a shared engine needs; each run starts its own Ray, one at a time",
                           markup=False, highlight=False)
+        return None
+    return engine
+
+
+def run_on_one_engine(folder: Path, runs, todo, args, progress, overall, stop, signals, engine) -> None:
+    """`fedsim sweep`: every unfinished run on `engine` (start_sweep_engine), `--jobs` runs in
+    flight at once, sharing its client actors; without one (a Flower that lacks what it needs),
+    one run at a time, each starting its own Ray."""
+    from fedsim.engine.simulate import simulate
+    from fedsim.runs.sweep import run_sweep
 
     def runner(scenario, run_dir, engine=None):
         task = progress.add_task(scenario.name[:40], total=scenario.federation.rounds, status="")
@@ -424,13 +461,11 @@ def run_on_one_engine(folder: Path, runs, todo, args, progress, overall, stop, s
         if failure:
             progress.console.print(f"run {scenario.name} failed: {failure}", markup=False, highlight=False, soft_wrap=True)
 
-    if not shared:
+    if engine is None:
         run_sweep(folder, runs, runner)
         return
-    progress.update(overall, status="starting Ray...")
-    with SharedEngine(address=addresses.pop(), verbose=args.verbose, after_ray_init=signals.reinstall) as engine:
-        progress.update(overall, status="")
-        run_sweep(folder, runs, lambda scenario, run_dir: runner(scenario, run_dir, engine), jobs=max(1, args.jobs))
+    engine.open()  # closed by the caller
+    run_sweep(folder, runs, lambda scenario, run_dir: runner(scenario, run_dir, engine), jobs=max(1, args.jobs))
 
 
 def cmd_deploy(args) -> int:

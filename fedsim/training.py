@@ -160,6 +160,17 @@ def train(
                           precision=cfg.precision, deterministic=cfg.deterministic)
 
 
+def seed_dropout(seed: int, device: torch.device) -> None:
+    """Seed the global generator the model's dropout draws from on `device`. On CPU only CPU's:
+    `torch.manual_seed` also queues a seeding of every CUDA/XPU/MTIA device, recording the
+    caller's stack each time while CUDA is not initialised (~4% of a small client's training,
+    profiled); elsewhere `torch.manual_seed` as it is."""
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
 def sgd_epochs(
     model: nn.Module, params: list[torch.Tensor], x: np.ndarray, y: np.ndarray, batch_size: int, lrs: list[float],
     momentum: float, weight_decay: float, seed: int, loss_fn: Callable, after_step: Callable[[int, bool], None] | None = None,
@@ -178,7 +189,7 @@ def sgd_epochs(
     check_precision(precision)
     device = torch.device("cpu") if device is None else resolve_device(device, "TrainConfig.device")
     with TORCH_GLOBAL_RNG, deterministic_algorithms(deterministic), on_device(model, device):
-        torch.manual_seed(seed)  # dropout masks
+        seed_dropout(seed, device)
         gen = torch.Generator().manual_seed(seed)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         opt = SGD(params, lr=lrs[0] if lrs else 0.0, momentum=momentum, weight_decay=weight_decay)

@@ -166,3 +166,67 @@ def test_a_sweep_attaches_to_a_cluster_started_with_ray_start(tmp_path):
         leftover = _processes_naming(temp_dir)
         subprocess.run(["rm", "-rf", temp_dir], check=False)
     assert not leftover, f"cluster processes still running: {sorted(leftover)}"
+
+
+def test_reading_a_sweep_imports_no_torch(mixed):
+    """`fedsim sweep` starts Ray after reading the file and before validating the runs (which
+    imports every component, torch included): reading must stay that cheap."""
+    code = ("import sys; from fedsim.runs.sweep import Grid; g = Grid.read(sys.argv[1]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(sorted(g.axes), g.base['federation']['rounds'])")
+    done = subprocess.run([sys.executable, "-c", code, str(mixed)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["['case',", "'seed']", "3"]
+
+
+def test_a_warm_up_reads_the_data_and_reports_a_failure_instead_of_raising(mixed):
+    from fedsim.engine.ray_actor import ClientAppRunner, scenario_message
+    from fedsim.runtime import runtime_for
+
+    _, runs = expand(mixed)
+    text, key = scenario_message(runs[0].scenario)
+    assert ClientAppRunner().warm_up(text, key) is None
+    assert ("dataset", "digits", runs[0].scenario.data.dataset) in runtime_for(runs[0].scenario).cache  # kept for the run
+    failed = ClientAppRunner().warm_up(text, "another scenario's key")
+    assert failed.startswith("RuntimeError: the scenario sent to the client actors")
+
+
+@pytest.mark.simulation
+def test_the_first_runs_actors_are_started_and_warmed_before_it_asks_for_them(mixed, tmp_path):
+    """`begin` starts Ray in a thread, `start(scenario)` creates the actors of the shape Flower's
+    backend will ask for and warms them; the run then borrows exactly those actors (none other is
+    made), and Ray's processes, which die with the thread that started them, last until `close`."""
+    import ray
+
+    from fedsim.engine.shared import SharedEngine
+    from fedsim.engine.simulate import simulate
+
+    _, runs = expand(mixed)
+    engine = SharedEngine().begin()
+    try:
+        assert any(t.name == "fedsim-ray" for t in threading.enumerate())
+        engine.start(runs[0].scenario)
+        (shared,) = engine.shapes.values()
+        prestarted = list(shared.actors)
+        assert prestarted and ray.get(engine.warm_ups, timeout=120) == [None] * len(prestarted)
+        engine.open()
+        run_dir = simulate(runs[0].scenario, run_dir=tmp_path / "run", engine=engine)
+        assert len(read_rounds(run_dir)) == runs[0].scenario.federation.rounds
+        assert [list(s.actors) for s in engine.shapes.values()] == [prestarted]
+    finally:
+        engine.close()
+    assert not ray.is_initialized() and not any(t.name == "fedsim-ray" for t in threading.enumerate())
+
+
+@pytest.mark.simulation
+def test_runs_of_one_sweep_on_different_clusters_are_refused(tmp_path, capsys):
+    from fedsim.cli import main
+
+    path = tmp_path / "two_clusters.yaml"
+    path.write_text(f"base: {REPO / 'scenarios/quickstart.yaml'}\nsweep:\n"
+                    "  federation.ray_address: ['127.0.0.1:1', '127.0.0.1:2']\n")
+    assert main(["sweep", str(path), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "federation.ray_address" in err and "share one Ray cluster" in err and "Traceback" not in err
+    import ray
+
+    assert not ray.is_initialized()

@@ -40,6 +40,20 @@ class ClientAppRunner:
             raise ClientAppException(str(ex)) from ex
         return cid, out_message, context
 
+    def warm_up(self, scenario_json: str, key: str) -> str | None:
+        """Import the client code and load the scenario's data now, before this actor's first
+        message (a sweep asks while its own process is still importing, fedsim/engine/shared.py).
+        A failure is returned, not raised: the run's first message meets it again and reports it."""
+        try:
+            from fedsim.client import app  # noqa: F401  (the ClientApp's modules)
+            from fedsim.runtime import runtime_for
+
+            runtime = runtime_for(_scenario_of(scenario_json, key))
+            runtime.data, runtime.layout  # noqa: B018  (the dataset read, a model built)
+        except Exception as ex:  # noqa: BLE001
+            return f"{type(ex).__name__}: {ex}"
+        return None
+
     def terminate(self) -> None:
         ray.actor.exit_actor()
 
@@ -51,6 +65,14 @@ def client_actor_class():
     if not flower_compat.PROBES["actor-contract"].holds():
         return None
     return ray.remote(ClientAppRunner)
+
+
+def scenario_message(scenario) -> tuple[str, str]:
+    """(the scenario's JSON text, its content key): what an actor rebuilds the scenario from."""
+    from fedsim.runtime import scenario_key
+    from fedsim.scenario import scenario_dict
+
+    return json.dumps(scenario_dict(scenario), sort_keys=True), scenario_key(scenario)
 
 
 class CompactClientApp(ClientApp):
@@ -68,11 +90,7 @@ class CompactClientApp(ClientApp):
     @classmethod
     def of(cls, scenario, state_dir=None) -> "CompactClientApp":
         """`state_dir`: the clients' own state folder (make_client_app), or None."""
-        from fedsim.runtime import scenario_key
-        from fedsim.scenario import scenario_dict
-
-        text = json.dumps(scenario_dict(scenario), sort_keys=True)
-        return cls(text, scenario_key(scenario), None if state_dir is None else str(state_dir))
+        return cls(*scenario_message(scenario), None if state_dir is None else str(state_dir))
 
     def __reduce__(self):
         return (CompactClientApp, (self.scenario_json, self.key, self.state_dir))
@@ -93,13 +111,20 @@ def _client_app(scenario_json: str, key: str, state_dir: str | None) -> ClientAp
         _CLIENT_APPS.move_to_end((key, state_dir))
     else:
         from fedsim.client.app import make_client_app
-        from fedsim.runtime import scenario_key
-        from fedsim.scenario import validate_scenario
 
-        scenario = validate_scenario(json.loads(scenario_json), "the simulated scenario")
-        if scenario_key(scenario) != key:  # the JSON round trip must give back the very same scenario
-            raise RuntimeError("the scenario sent to the client actors does not validate to the one the server runs")
+        scenario = _scenario_of(scenario_json, key)
         while len(_CLIENT_APPS) >= CLIENT_APPS_KEPT:
             _CLIENT_APPS.popitem(last=False)
         _CLIENT_APPS[key, state_dir] = make_client_app(scenario, state_dir)
     return _CLIENT_APPS[key, state_dir]
+
+
+def _scenario_of(scenario_json: str, key: str):
+    """The scenario the server sent as JSON; the round trip must give back the very same scenario."""
+    from fedsim.runtime import scenario_key
+    from fedsim.scenario import validate_scenario
+
+    scenario = validate_scenario(json.loads(scenario_json), "the simulated scenario")
+    if scenario_key(scenario) != key:
+        raise RuntimeError("the scenario sent to the client actors does not validate to the one the server runs")
+    return scenario

@@ -122,23 +122,81 @@ class SharedEngine:
         self.shapes: dict[str, SharedActors] = {}
         self.lock = threading.Lock()
         self.stack = contextlib.ExitStack()
+        self.started = False
+        self.starting: tuple | None = None  # `begin`'s thread, its events (Ray up, release) and what it raised
+        self.warm_ups: list = []  # the prestarted actors' warm-up results (None, or what failed)
 
     @staticmethod
     def available() -> bool:
         """Whether the installed Flower lets runs share an engine (else a sweep starts Ray per run)."""
         return flower_compat.PROBES["shared-engine"].holds() and flower_compat.PROBES["simulation-engine"].holds()
 
-    def __enter__(self) -> "SharedEngine":
+    def begin(self) -> "SharedEngine":
+        """Start Ray (or attach to it) in a background thread and return at once: a sweep
+        validates its runs meanwhile, which imports torch and every component (~3 s on two
+        cores), while Ray's processes start (~6 s). Only Ray's own start runs in the thread;
+        `start` waits for it. Needs only Ray and fedsim/engine/ray_start.py."""
         from fedsim.engine.allocator import apply_to_this_process
-        from fedsim.engine.simulate import engine_adjustments, quiet_logs, single_threaded_openblas
+        from fedsim.engine.ray_start import quiet_logs, single_threaded_openblas
 
+        if self.starting is not None or self.started:
+            return self
         quiet_logs(self.verbose)
         if self.options.malloc_settings:
             apply_to_this_process()
+        # before Ray forks (see there); libraries loaded by this process meanwhile are single-threaded too
+        self.stack.enter_context(single_threaded_openblas())
+        import ray  # noqa: F401  (here, not in the thread: one thread imports Ray's package)
+
+        up, release, failure = threading.Event(), threading.Event(), []
+
+        def start_ray() -> None:
+            try:
+                self.start_ray()
+            except BaseException as err:  # noqa: BLE001  (raised again by `start`, in the caller's thread)
+                failure.append(err)
+            up.set()
+            # Ray's processes die with the *thread* that started them (prctl PR_SET_PDEATHSIG, Ray's
+            # fate sharing): this one lives until `close` has shut Ray down
+            release.wait()
+
+        self.starting = (threading.Thread(target=start_ray, name="fedsim-ray", daemon=True), up, release, failure)
+        self.starting[0].start()
+        return self
+
+    def start(self, scenario=None) -> "SharedEngine":
+        """Ray up (waiting for `begin`'s thread, or starting it here) and, given the scenario of the
+        first run, the client actors its runs will borrow, each told to import the client code
+        and read the data now: they warm up while this process imports the server, instead of in
+        the first run's first round. `with` calls it when nobody did."""
+        if self.started:
+            return self
         try:
-            self.stack.enter_context(single_threaded_openblas())  # before Ray forks (see there)
-            self.start_ray()
+            self.begin()
+            if scenario is not None:  # their imports (Flower's engine and client side) while Ray is still starting
+                from fedsim.engine.ray_actor import client_actor_class
+
+                self.available(), client_actor_class()
+            _, up, _, failure = self.starting
+            up.wait()
+            if failure:
+                raise failure[0]
+            self.started = True
             self.after_ray_init()
+            if scenario is not None:
+                self.prestart(scenario)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def open(self) -> "SharedEngine":
+        """Started, and every simulation from now on runs on this engine (Flower's engine adjusted
+        and its actor pool lent from here) until `close`."""
+        from fedsim.engine.simulate import engine_adjustments
+
+        try:
+            self.start()
             self.stack.enter_context(engine_adjustments(self.options))
             # one run id for the engine's runs (random, as Flower's own: Message ids are per run state)
             run_id = random.SystemRandom().randrange(1, 2**62)
@@ -148,13 +206,16 @@ class SharedEngine:
             raise
         return self
 
+    def __enter__(self) -> "SharedEngine":
+        return self.open()
+
     def __exit__(self, *exc) -> None:
         self.close()
 
     def start_ray(self) -> None:
         import ray
 
-        from fedsim.engine.simulate import OBJECT_STORE_BYTES, init_local_ray, workers_pythonpath
+        from fedsim.engine.ray_start import OBJECT_STORE_BYTES, init_local_ray, workers_pythonpath
 
         init_args = {"logging_level": "INFO" if self.verbose else "ERROR", "log_to_driver": self.verbose,
                      "include_dashboard": False}
@@ -167,11 +228,15 @@ class SharedEngine:
                            self.options.malloc_settings)
         self.stack.callback(ray.shutdown)
 
-    def pool_for(self, actor_type, client_resources: dict, actor_kwargs: dict) -> RunPool:
-        """A run's pool on the shared actors of its resource shape, created on first use. A new
-        shape first releases the idle actors of other shapes, so that they do not hold the cores."""
-        key = json.dumps([getattr(actor_type, "__name__", str(actor_type)), client_resources,
-                          sorted((actor_kwargs or {}).items(), key=str)], sort_keys=True, default=str)
+    @staticmethod
+    def shape_key(actor_type, client_resources: dict, actor_kwargs: dict) -> str:
+        return json.dumps([getattr(actor_type, "__name__", str(actor_type)), client_resources,
+                           sorted((actor_kwargs or {}).items(), key=str)], sort_keys=True, default=str)
+
+    def actors_of(self, actor_type, client_resources: dict, actor_kwargs: dict) -> SharedActors:
+        """The shared actors of this resource shape, created on first use. A new shape first
+        releases the idle actors of other shapes, so that they do not hold the cores."""
+        key = self.shape_key(actor_type, client_resources, actor_kwargs)
         with self.lock:
             if key not in self.shapes:
                 for other, actors in list(self.shapes.items()):
@@ -184,12 +249,43 @@ class SharedEngine:
                 create = lambda: actor_type.options(**client_resources).remote(**(actor_kwargs or {}))  # noqa: E731
                 self.shapes[key] = SharedActors(create, size)
                 log.info("shared engine: %d client actors with %s", size, client_resources)
-            return RunPool(self.shapes[key])
+            return self.shapes[key]
+
+    def pool_for(self, actor_type, client_resources: dict, actor_kwargs: dict) -> RunPool:
+        """A run's pool on the shared actors of its resource shape (what Flower's backend builds)."""
+        return RunPool(self.actors_of(actor_type, client_resources, actor_kwargs))
+
+    def prestart(self, scenario) -> None:
+        """The client actors `scenario`'s run will ask for, each sent a warm-up (ray_actor.py
+        `warm_up`: imports, data, a model) that runs before any message. The shape is the one
+        Flower's backend asks for (fedsim's actor class, `client_resources`, no actor arguments);
+        if it ever differed, the run would release these idle actors and make its own."""
+        from fedsim.engine.ray_actor import client_actor_class, scenario_message
+        from fedsim.engine.ray_start import client_resources
+
+        actor_type = client_actor_class() if self.options.light_actor else None
+        if actor_type is None:  # Flower's own actor class has no warm-up
+            return
+        message = scenario_message(scenario)
+        shared = self.actors_of(actor_type, client_resources(scenario), {})
+        self.warm_ups = [actor.warm_up.remote(*message) for actor in shared.actors]
+
+    def close_in_background(self) -> threading.Thread:
+        """`close` in a thread (Ray's shutdown takes ~1.5 s): join it before this process exits."""
+        thread = threading.Thread(target=self.close, name="fedsim-ray-shutdown")
+        thread.start()
+        return thread
 
     def close(self) -> None:
+        """Stop the actors and Ray (or detach from the cluster). Again: nothing more happens."""
+        if self.starting is not None:
+            self.starting[1].wait()  # Ray's start is not interruptible; shut it down once it is up
         with self.lock:
             for actors in self.shapes.values():
                 actors.kill()
             self.shapes.clear()
         self.stack.close()
+        if self.starting is not None:
+            self.starting[2].set()
+            self.starting[0].join()
 

@@ -44,51 +44,27 @@ import contextlib
 import logging
 import os
 import queue
-import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Callable
 
-# Before flwr/ray are imported: no telemetry, no update check, no Ray accelerator warning, a
-# bounded object store (Ray's default is 30% of RAM in /dev/shm).
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
-os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-# OpenBLAS libraries loaded from now on (scipy's, the Ray workers' numpy) run single-threaded;
-# see single_threaded_openblas() for why, and the client actors are single-threaded anyway.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-from fedsim.devices import check_simulation_gpus  # noqa: E402
-from fedsim.engine import flower_compat  # noqa: E402
-from fedsim.engine.allocator import apply_to_this_process, in_child_environment  # noqa: E402
-from fedsim.engine.interrupt import RunStopped  # noqa: E402
-from fedsim.engine.options import EngineOptions  # noqa: E402
-from fedsim.engine.ray_actor import CompactClientApp, client_actor_class  # noqa: E402
-from fedsim.preflight import preflight  # noqa: E402
-from fedsim.runs.folder import RunFolder  # noqa: E402
-from fedsim.server.app import make_server_app  # noqa: E402
-
-OBJECT_STORE_BYTES = 256 * 1024**2
+from fedsim.engine import ray_start  # noqa: F401,I001  (first: it sets the environment flwr and Ray read at import)
+from fedsim.devices import check_simulation_gpus
+from fedsim.engine import flower_compat
+from fedsim.engine.allocator import apply_to_this_process
+from fedsim.engine.interrupt import RunStopped
+from fedsim.engine.options import EngineOptions
+from fedsim.engine.ray_actor import CompactClientApp, client_actor_class
+from fedsim.engine.ray_start import (  # noqa: F401  (also imported from here by the engine's callers)
+    OBJECT_STORE_BYTES, client_resources, init_local_ray, quiet_logs, ray_address, single_threaded_openblas,
+    workers_pythonpath,
+)
+from fedsim.preflight import preflight
+from fedsim.runs.folder import RunFolder
+from fedsim.server.app import make_server_app
 
 log = logging.getLogger("fedsim")
-
-
-def quiet_logs(verbose: bool) -> None:
-    level = logging.INFO if verbose else logging.ERROR
-    logging.getLogger("flwr").setLevel(level)
-    logging.getLogger("ray").setLevel(level)
-    logging.getLogger("fedsim").setLevel(logging.INFO if verbose else logging.WARNING)
-    if not verbose:
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def ray_address(scenario) -> str | None:
-    """The Ray cluster to attach to: `federation.ray_address`, else $RAY_ADDRESS, else None (start one)."""
-    return scenario.federation.ray_address or os.environ.get("RAY_ADDRESS") or None
 
 
 def backend_config(scenario, verbose: bool) -> dict:
@@ -103,14 +79,7 @@ def backend_config(scenario, verbose: bool) -> dict:
     else:
         init_args.update(num_cpus=os.cpu_count() or 1, object_store_memory=OBJECT_STORE_BYTES)
     return {
-        # Flower passes these to the client actors' `.options()`: a crashed actor (segfault, OOM kill,
-        # a lost cluster node) is restarted by Ray, and the message it was running is retried once
-        # there (a client that crashes again is reported as rejected). Without them Flower's pool
-        # keeps handing the dead actor later messages, and every one fails for the rest of the run.
-        "client_resources": {
-            "num_cpus": scenario.federation.client_cpus, "num_gpus": scenario.federation.client_gpus,
-            "max_restarts": -1, "max_task_retries": 1,
-        },
+        "client_resources": client_resources(scenario),
         "init_args": init_args,
     }
 
@@ -207,26 +176,6 @@ def start_local_ray(original_init_ray, after_init: Callable[[], None], malloc_se
     return init_ray
 
 
-def workers_pythonpath() -> str:
-    """This process's import path, as Flower hands it to Ray's workers (PYTHONPATH)."""
-    pythonpath = os.pathsep.join(sys.path)
-    if os.environ.get("PYTHONPATH"):
-        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
-    return pythonpath
-
-
-def init_local_ray(init_args: dict, malloc_settings: bool) -> None:
-    """`ray.init` of a local Ray whose workers inherit PYTHONPATH and (optionally) fedsim's malloc
-    settings from this process's environment, with no job runtime environment (see start_local_ray)."""
-    import ray
-
-    init_args = dict(init_args)
-    init_args.setdefault("include_dashboard", False)
-    os.environ["PYTHONPATH"] = workers_pythonpath()  # as Flower's init_ray sets it
-    with in_child_environment() if malloc_settings else contextlib.nullcontext():  # the workers' malloc
-        ray.init(**init_args)
-
-
 @contextlib.contextmanager
 def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init: Callable[[], None] = lambda: None):
     """Wrap node registration and replace message delivery in Flower's simulation engine, then restore them.
@@ -281,22 +230,6 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
                 raybackend.ClientAppActor = original_actor
                 vce_api.Queue = original_queue
                 raybackend.RayBackend.init_ray = original_init_ray
-
-
-def single_threaded_openblas():
-    """Limit the OpenBLAS libraries already loaded in this process to one thread (restored after).
-
-    OpenBLAS stops its worker threads before every fork (pthread_atfork). The ServerApp thread
-    starts computing (e.g. the edge set's PCA density check, an eigendecomposition that OpenBLAS
-    parallelises) while the main thread starts Ray, which forks a dozen processes: a threaded
-    call caught by a fork waits for workers that are gone and spins forever (seen here about one
-    run in five). With one thread OpenBLAS never hands work to its pool. Libraries loaded later
-    read OPENBLAS_NUM_THREADS=1, set when this module is imported.
-    """
-    from threadpoolctl import threadpool_info, threadpool_limits
-
-    prefixes = {lib["prefix"] for lib in threadpool_info() if lib.get("internal_api") == "openblas"}
-    return threadpool_limits(limits={p: 1 for p in prefixes}) if prefixes else contextlib.nullcontext()
 
 
 def simulate(scenario, run_dir: Path | RunFolder | None = None, verbose: bool = False, progress=None, client_app=None,

@@ -395,6 +395,16 @@ def plot_bytes_vs_accuracy(runs: list[Path], out: Path, labels: dict[Path, str] 
     return path
 
 
+def load_drawing() -> None:
+    """Import what drawing a report takes (matplotlib, scipy's t quantile: ~1.5 s on two cores);
+    `fedsim sweep` does it while its Ray starts rather than after the last run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+    import scipy.special  # noqa: F401
+
+
 def write_report(paths: list[Path], out: Path | None = None) -> Path:
     """`report.md` with the table and the plots, from the run folders at or below `paths`;
     `out` defaults to `default_out(paths)` (inside the folder reported on)."""

@@ -127,46 +127,74 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 def expand(path: str | Path, overrides: list[str] | None = None) -> tuple[str, list[SweepRun]]:
     """The sweep's name and its runs, each validated; all problems are reported together."""
-    from fedsim.scenario_files import resolve_scenario_path
+    grid = Grid.read(path, overrides)
+    return grid.name, grid.validated()
 
-    path = resolve_scenario_path(path)  # a ready sweep by name, from any folder
-    raw = read_yaml(path)
-    if isinstance(raw, dict) and "base" in raw:
-        if not isinstance(raw["base"], str):
-            raise ScenarioError(str(path), [("base", "a path to the scenario this sweep starts from (text)", raw["base"])])
-        base_path = Path(path).parent / raw.pop("base")
-        raw = deep_merge(read_yaml(base_path), raw)
-    if not isinstance(raw, dict) or not isinstance(raw.get("sweep"), dict) or not raw["sweep"]:
-        raise ScenarioError(str(path), [("sweep", "a sweep file needs a `sweep:` mapping of KEY: [values]", raw.get("sweep") if isinstance(raw, dict) else raw)])
-    grid = raw.pop("sweep")
-    bad = [(f"sweep.{k}", "swept keys are dotted scenario paths (text)", k) for k in grid if not isinstance(k, str)]
-    bad += [(f"sweep.{k}", "each swept key needs a non-empty list of values", v) for k, v in grid.items() if not isinstance(v, list) or not v]
-    if bad:
-        raise ScenarioError(str(path), bad)
-    raw = apply_overrides(raw, list(overrides or []))
-    keys = list(grid)
-    cases = {k for k in keys if k.split(".")[0] not in scenario_sections()}
-    total = 1
-    for k in keys:
-        total *= len(grid[k])
-        if total > MAX_RUNS:
-            raise ScenarioError(str(path), [("sweep", f"expands to more than {MAX_RUNS} runs; split the grid", {k: len(grid[k]) for k in keys})])
-    runs, problems = [], []
-    for combo in itertools.product(*(grid[k] for k in keys)):
-        values = dict(zip(keys, combo))
-        this = copy.deepcopy(raw)
-        for k, v in values.items():
-            for key, value in (_case_settings(path, k, v) if k in cases else [(k, v)]):
-                _set(this, key, value)
-        name = "__".join(f"{k.split('.')[-1]}={_case_label(v) if k in cases else _token(v)}" for k, v in values.items())
-        this["name"] = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:150]
-        try:
-            runs.append(SweepRun(this["name"], values, validate_scenario(this, f"{path} [{name}]")))
-        except ScenarioError as err:
-            problems += [(f"[{name}] {p}", m, v) for p, m, v in err.problems]
-    if problems:
-        raise ScenarioError(str(path), problems)
-    return str(raw.get("name", Path(path).stem)), runs
+
+@dataclass
+class Grid:
+    """A sweep file read: the scenario its runs start from and the swept values. Reading it is
+    cheap; expanding and validating the runs imports every component, torch included, so
+    `fedsim sweep` starts Ray in between (fedsim/engine/shared.py)."""
+
+    path: Path
+    name: str
+    base: dict  # the scenario every run starts from: the base file, the sweep's keys, the overrides
+    axes: dict[str, list]  # swept key -> its values
+
+    @classmethod
+    def read(cls, path: str | Path, overrides: list[str] | None = None) -> "Grid":
+        from fedsim.scenario_files import resolve_scenario_path
+
+        path = resolve_scenario_path(path)  # a ready sweep by name, from any folder
+        raw = read_yaml(path)
+        if isinstance(raw, dict) and "base" in raw:
+            if not isinstance(raw["base"], str):
+                raise ScenarioError(str(path), [("base", "a path to the scenario this sweep starts from (text)", raw["base"])])
+            base_path = Path(path).parent / raw.pop("base")
+            raw = deep_merge(read_yaml(base_path), raw)
+        if not isinstance(raw, dict) or not isinstance(raw.get("sweep"), dict) or not raw["sweep"]:
+            raise ScenarioError(str(path), [("sweep", "a sweep file needs a `sweep:` mapping of KEY: [values]", raw.get("sweep") if isinstance(raw, dict) else raw)])
+        axes = raw.pop("sweep")
+        bad = [(f"sweep.{k}", "swept keys are dotted scenario paths (text)", k) for k in axes if not isinstance(k, str)]
+        bad += [(f"sweep.{k}", "each swept key needs a non-empty list of values", v) for k, v in axes.items() if not isinstance(v, list) or not v]
+        if bad:
+            raise ScenarioError(str(path), bad)
+        raw = apply_overrides(raw, list(overrides or []))
+        total = 1
+        for k in axes:
+            total *= len(axes[k])
+            if total > MAX_RUNS:
+                raise ScenarioError(str(path), [("sweep", f"expands to more than {MAX_RUNS} runs; split the grid", {k: len(axes[k]) for k in axes})])
+        return cls(Path(path), str(raw.get("name", Path(path).stem)), raw, axes)
+
+    def cases(self) -> list[tuple[str, dict, dict]]:
+        """(run name, swept values, scenario dict) of every run, in grid order."""
+        keys = list(self.axes)
+        cases = {k for k in keys if k.split(".")[0] not in scenario_sections()}
+        out = []
+        for combo in itertools.product(*(self.axes[k] for k in keys)):
+            values = dict(zip(keys, combo))
+            this = copy.deepcopy(self.base)
+            for k, v in values.items():
+                for key, value in (_case_settings(self.path, k, v) if k in cases else [(k, v)]):
+                    _set(this, key, value)
+            name = "__".join(f"{k.split('.')[-1]}={_case_label(v) if k in cases else _token(v)}" for k, v in values.items())
+            this["name"] = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:150]
+            out.append((name, values, this))
+        return out
+
+    def validated(self) -> list[SweepRun]:
+        """Each run validated; all problems are reported together."""
+        runs, problems = [], []
+        for name, values, raw in self.cases():
+            try:
+                runs.append(SweepRun(raw["name"], values, validate_scenario(raw, f"{self.path} [{name}]")))
+            except ScenarioError as err:
+                problems += [(f"[{name}] {p}", m, v) for p, m, v in err.problems]
+        if problems:
+            raise ScenarioError(str(self.path), problems)
+        return runs
 
 
 def sweep_dir(name: str, runs: list[SweepRun], parent: str | Path | None) -> Path:

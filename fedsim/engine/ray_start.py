@@ -1,0 +1,92 @@
+"""Starting Ray for fedsim, in a module cheap enough to import before anything else.
+
+A sweep starts its Ray and its client actors first and validates and imports the rest while the
+actors warm up (fedsim/engine/shared.py), so what a start needs lives here rather than in
+fedsim/engine/simulate.py, which imports the server (torch, Flower's simulation) to run one.
+Importing this module sets the environment that flwr and Ray read when they are imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+
+from fedsim.engine.allocator import in_child_environment
+
+# Before flwr/ray are imported: no telemetry, no update check, no Ray accelerator warning, a
+# bounded object store (Ray's default is 30% of RAM in /dev/shm).
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# OpenBLAS libraries loaded from now on (scipy's, the Ray workers' numpy) run single-threaded;
+# see single_threaded_openblas() for why, and the client actors are single-threaded anyway.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+OBJECT_STORE_BYTES = 256 * 1024**2
+
+
+def quiet_logs(verbose: bool) -> None:
+    level = logging.INFO if verbose else logging.ERROR
+    logging.getLogger("flwr").setLevel(level)
+    logging.getLogger("ray").setLevel(level)
+    logging.getLogger("fedsim").setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def ray_address(scenario) -> str | None:
+    """The Ray cluster to attach to: `federation.ray_address`, else $RAY_ADDRESS, else None (start one)."""
+    return scenario.federation.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def client_resources(scenario) -> dict:
+    """What each client actor asks Ray for (Flower's `client_resources`, passed to `.options()`).
+
+    With `max_restarts` and `max_task_retries` a crashed actor (segfault, OOM kill, a lost cluster
+    node) is restarted by Ray and the message it was running is retried once there (a client that
+    crashes again is reported as rejected). Without them Flower's pool keeps handing the dead actor
+    later messages, and every one fails for the rest of the run."""
+    return {"num_cpus": scenario.federation.client_cpus, "num_gpus": scenario.federation.client_gpus,
+            "max_restarts": -1, "max_task_retries": 1}
+
+
+def workers_pythonpath() -> str:
+    """This process's import path, as Flower hands it to Ray's workers (PYTHONPATH)."""
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    return pythonpath
+
+
+def init_local_ray(init_args: dict, malloc_settings: bool) -> None:
+    """`ray.init` of a local Ray whose workers inherit PYTHONPATH and (optionally) fedsim's malloc
+    settings from this process's environment, with no job runtime environment (see
+    fedsim/engine/simulate.py start_local_ray)."""
+    import ray
+
+    init_args = dict(init_args)
+    init_args.setdefault("include_dashboard", False)
+    os.environ["PYTHONPATH"] = workers_pythonpath()  # as Flower's init_ray sets it
+    with in_child_environment() if malloc_settings else contextlib.nullcontext():  # the workers' malloc
+        ray.init(**init_args)
+
+
+def single_threaded_openblas():
+    """Limit the OpenBLAS libraries already loaded in this process to one thread (restored after).
+
+    OpenBLAS stops its worker threads before every fork (pthread_atfork). The ServerApp thread
+    starts computing (e.g. the edge set's PCA density check, an eigendecomposition that OpenBLAS
+    parallelises) while the main thread starts Ray, which forks a dozen processes: a threaded
+    call caught by a fork waits for workers that are gone and spins forever (seen here about one
+    run in five). With one thread OpenBLAS never hands work to its pool. Libraries loaded later
+    read OPENBLAS_NUM_THREADS=1, set when this module is imported.
+    """
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    prefixes = {lib["prefix"] for lib in threadpool_info() if lib.get("internal_api") == "openblas"}
+    return threadpool_limits(limits={p: 1 for p in prefixes}) if prefixes else contextlib.nullcontext()
