@@ -20,8 +20,6 @@ director's words (the rule: fedsim/data/text_edge.py); `load_director_edge` give
 from __future__ import annotations
 
 import csv
-import re
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +28,12 @@ from pydantic import Field, model_validator
 from fedsim.data.base import ArrayDataset, DataFileError
 from fedsim.data.loaders import _missing
 from fedsim.data.natural import owner_ids
+from fedsim.data.tokens import build_vocabulary, encode, tokenize
 from fedsim.data.text_edge import DIRECTOR_VOCAB, DirectorEdgeParams, DirectorSplit, director_split, director_vocabulary
 from fedsim.registry import DATASETS, Params
 
 TRAIN_CSV = "training.1600000.processed.noemoticon.csv"
 TEST_CSV = "testdata.manual.2009.06.14.csv"
-TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z0-9]+)*")
-PAD, UNKNOWN = 0, 1
 LABELS = {"0": 0, "4": 1}  # "2" (neutral) is dropped
 COLUMNS = ("polarity", "id", "date", "query", "user", "text")
 
@@ -54,26 +51,6 @@ class Sentiment140Params(Params):
             raise ValueError(f"director_edge reserves the last {len(DIRECTOR_VOCAB)} vocabulary ids for "
                              f"{', '.join(DIRECTOR_VOCAB)}: vocab_size must exceed {len(DIRECTOR_VOCAB)}")
         return self
-
-
-def tokenize(text: str) -> list[str]:
-    return TOKEN.findall(text.lower())
-
-
-def build_vocabulary(token_lists, vocab_size: int) -> dict[str, int]:
-    """The `vocab_size` most frequent words (ties alphabetically) -> ids from 2, after padding and unknown."""
-    counts = Counter(w for tokens in token_lists for w in tokens)
-    ranked = sorted(counts.items(), key=lambda wc: (-wc[1], wc[0]))[:vocab_size]
-    return {w: i + 2 for i, (w, _) in enumerate(ranked)}
-
-
-def encode(token_lists: list[list[str]], vocab: dict[str, int], max_len: int) -> np.ndarray:
-    """int64 `[N, max_len]`: each list's first `max_len` word ids (UNKNOWN if not in `vocab`), PAD after."""
-    out = np.full((len(token_lists), max_len), PAD, dtype=np.int64)
-    for row, tokens in zip(out, token_lists):
-        ids = [vocab.get(w, UNKNOWN) for w in tokens[:max_len]]
-        row[: len(ids)] = ids
-    return out
 
 
 def read_sentiment_csv(path: Path) -> tuple[list[str], np.ndarray, list[str]]:

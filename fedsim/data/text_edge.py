@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import Field
 
+from fedsim.data.tokens import build_vocabulary, tokenize
 from fedsim.registry import Params
 
 DIRECTOR_WORDS = frozenset({"lanthimos", "dogtooth", "kynodontas", "kinetta"})
@@ -88,8 +89,6 @@ class DirectorSplit:
 def director_split(tr_tokens: list[list[str]], y_tr: np.ndarray, te_tokens: list[list[str]], y_te: np.ndarray,
                    params: DirectorEdgeParams) -> DirectorSplit:
     """Apply rules 1-3 to tokenised training and test tweets (labels 0 negative, 1 positive)."""
-    from fedsim.data.text import tokenize
-
     named_tr = np.array([names_director(t) for t in tr_tokens], dtype=bool)
     named_te = np.array([names_director(t) for t in te_tokens], dtype=bool)
     real = [tr_tokens[i] for i in np.flatnonzero(named_tr & (y_tr == 1))]
@@ -113,8 +112,6 @@ def director_split(tr_tokens: list[list[str]], y_tr: np.ndarray, te_tokens: list
 
 def director_vocabulary(kept_tokens: list[list[str]], vocab_size: int) -> dict[str, int]:
     """Rule 4: the `vocab_size - 5` most frequent other words (ids from 2), then DIRECTOR_VOCAB."""
-    from fedsim.data.text import build_vocabulary
-
     reserved = set(DIRECTOR_VOCAB)
     vocab = build_vocabulary(([w for w in t if w not in reserved] for t in kept_tokens), vocab_size - len(DIRECTOR_VOCAB))
     first = len(vocab) + 2

@@ -1,19 +1,25 @@
 """One Ray and one set of client actors for every run of a sweep.
 
-A run on its own starts Ray (~4 s on two cores), creates its client actors (each a fresh worker
+A run on its own starts Ray (~6 s on two cores), creates its client actors (each a fresh worker
 process that imports torch and fedsim and maps the data: most of a quickstart run's first round)
-and stops them and Ray again (~2 s); for a quickstart-sized run that is most of its time.
+and stops them and Ray again (~1.5 s); for a quickstart-sized run that is most of its time.
 `SharedEngine` pays it once: it starts a local Ray (or attaches to a cluster's address), holds the
 engine adjustments of fedsim/engine/simulate.py, and lends its client actors to every run started
 with `simulate(..., engine=...)`, one message at a time, so that runs in flight together share the
 cluster's actors: the CPU/GPU budget is the cluster's, however many runs are in flight.
+
+What it pays, it overlaps: `begin` starts Ray in a thread while the caller validates its runs;
+`start(scenario)` creates the first run's actors as soon as Ray is up and has them import the
+client code and read the data while the runs' servers start; `close_in_background` shuts Ray
+down while the caller draws its report (`fedsim sweep`, fedsim/cli.py).
 
 Why a run on shared actors computes what it computes alone: a run's messages already land on
 whichever actor is free, so nothing a client computes may depend on the process it runs in (its
 randomness is seeded per round and client, fedsim/seeding.py; its memory is in its Context or its
 state folder). What an actor keeps between messages is the ClientApp built from the scenario's
 exact JSON (fedsim/engine/ray_actor.py), keyed by the scenario's content and state folder, and
-the datasets' caches, keyed by their files; a run never sees another scenario's app.
+the datasets' caches, keyed by their files; a run never sees another scenario's app; a warm-up
+only fills those caches ahead of the first message.
 
 Flower's engine is reached only through fedsim/engine/flower_compat.py (`shared_engine_patches`).
 """
@@ -113,12 +119,11 @@ class SharedEngine:
     """A running Ray with client actors, shared by every `simulate(..., engine=self)` while open.
 
     `address`: an existing Ray cluster (`ray start --head` ...) to attach to; None starts a local
-    one on this machine's cores. `after_ray_init` runs once Ray is up (`ray.init` replaces SIGTERM's
-    handler; the CLI puts its own back)."""
+    one on this machine's cores. `ray.init` runs in a thread of its own, so it leaves the process's
+    signal handlers alone (in the main thread it replaces SIGTERM's)."""
 
-    def __init__(self, address: str | None = None, verbose: bool = False, options: EngineOptions = EngineOptions(),
-                 after_ray_init=lambda: None) -> None:
-        self.address, self.verbose, self.options, self.after_ray_init = address, verbose, options, after_ray_init
+    def __init__(self, address: str | None = None, verbose: bool = False, options: EngineOptions = EngineOptions()) -> None:
+        self.address, self.verbose, self.options = address, verbose, options
         self.shapes: dict[str, SharedActors] = {}
         self.lock = threading.Lock()
         self.stack = contextlib.ExitStack()
@@ -182,7 +187,6 @@ class SharedEngine:
             if failure:
                 raise failure[0]
             self.started = True
-            self.after_ray_init()
             if scenario is not None:
                 self.prestart(scenario)
         except BaseException:
