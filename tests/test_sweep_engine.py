@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import _thread
-import gc
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -79,30 +76,37 @@ def test_a_failed_run_stops_new_runs_and_is_raised_after_the_runs_in_flight(mixe
     assert all((folder / r.name / "summary.json").exists() for r in runs)
 
 
+INTERRUPTED_SWEEP = """
+import _thread, sys, threading, time
+from fedsim.runs.sweep import expand, run_sweep, sweep_dir
+
+name, runs = expand(sys.argv[1])
+stop, ended = threading.Event(), []
+
+def runner(scenario, run_dir):
+    stop.wait(10)
+    time.sleep(0.3)  # a run takes a moment to write its last round after the stop
+    ended.append(scenario.name)
+
+def interrupt():  # what the CLI's signal handler does: set the stop event, raise in the main thread
+    stop.set()
+    _thread.interrupt_main()
+
+threading.Timer(0.5, interrupt).start()
+try:
+    run_sweep(sweep_dir(name, runs, sys.argv[2]), runs, runner, jobs=2)
+except KeyboardInterrupt:
+    print("interrupted, runs ended:", len(ended))
+"""
+
+
 def test_an_interrupt_waits_for_the_runs_in_flight(mixed, tmp_path):
-    name, runs = expand(mixed)
-    stop, ended = threading.Event(), []
-
-    def runner(scenario, run_dir):
-        stop.wait(10)
-        time.sleep(0.3)  # a run takes a moment to write its last round after the stop
-        ended.append(scenario.name)
-
-    def interrupt():  # what the CLI's signal handler does: set the stop event, raise in the main thread
-        stop.set()
-        _thread.interrupt_main()
-
-    # A pending interrupt that the main thread meets inside an object's __del__ (earlier tests'
-    # garbage, collected there) is printed and dropped by Python: seen once in the full suite.
-    gc.collect()
-    gc.disable()
-    try:
-        threading.Timer(0.5, interrupt).start()
-        with pytest.raises(KeyboardInterrupt):
-            run_sweep(sweep_dir(name, runs, tmp_path / "out"), runs, runner, jobs=2)
-    finally:
-        gc.enable()
-    assert len(ended) == 2  # both runs in flight ended before the interrupt was raised
+    """In a process of its own: within the full suite the interrupt was not raised (twice), cause not
+    found (not a changed SIGINT handler, not garbage collection); alone it always is."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_SWEEP, str(mixed), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "interrupted, runs ended: 2"  # both runs in flight ended before it was raised
 
 
 def test_client_apps_and_runtimes_are_kept_per_scenario(mixed):
