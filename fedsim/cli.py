@@ -213,24 +213,35 @@ def cmd_list(args) -> int:
 def cmd_run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fedsim.engine.interrupt import RunInterrupted, RunStopped, on_signals
-
     from fedsim.runs.folder import RunFolder
-    from fedsim.runs.results import read_rounds
-    from fedsim.scenario import ScenarioError, load_scenario
+    from fedsim.scenario import ScenarioError, apply_overrides, read_yaml, validate_scenario
 
     if args.resume is not None:
         if args.file is not None or args.set:
             raise ScenarioError("--resume", [("--resume", "takes the run folder only: the scenario is its scenario.yaml", str(args.file))])
         run_dir = args.resume
-        scenario = load_scenario(run_dir / "scenario.yaml")
+        path = run_dir / "scenario.yaml"
     else:
         if args.file is None:
             raise ScenarioError("fedsim run", [("FILE", "a scenario file is required (or --resume DIR)", None)])
-        scenario = load_scenario(args.file, args.set)
+        path = args.file
+    raw = read_yaml(path)
+    if isinstance(raw, dict):
+        raw = apply_overrides(raw, list(args.set or []))
+    # Ray starts while the scenario is validated (which imports torch and every component), as a
+    # sweep's does; it is shut down once the run's result, or an error, has been printed
+    engine = begin_run_engine(args, raw)
+    if engine is not None:
+        args.later.callback(engine.close)
+    from fedsim.engine.interrupt import RunInterrupted, RunStopped, on_signals  # imports Flower
+    from fedsim.runs.results import read_rounds  # imports torch
+
+    scenario = validate_scenario(raw, str(path))
     from fedsim.preflight import preflight
 
-    preflight(scenario, str(args.resume or args.file))  # before any process starts, and before a run folder exists
+    # before a run folder exists; its caches of the data are what the warming client actors read
+    preflight(scenario, str(args.resume or args.file))
+    engine = start_run_engine(engine, scenario)
     stop = threading.Event()
     with on_signals(stop) as signals:
         try:
@@ -241,7 +252,7 @@ def cmd_run(args) -> int:
             columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
             with Progress(*columns, console=console, transient=False) as progress:
-                task = progress.add_task(scenario.name, total=scenario.federation.rounds, status="starting Ray...")
+                task = progress.add_task(scenario.name, total=scenario.federation.rounds, status="starting Ray..." if engine is None else "starting...")
 
                 def on_round(record: dict) -> None:
                     status = f"acc {_fmt(record.get('main_accuracy'), True)}"
@@ -249,10 +260,18 @@ def cmd_run(args) -> int:
                         status += f"  backdoor {_fmt(record['backdoor_success'], True)}"
                     progress.update(task, completed=record["round"], status=status)
 
-                simulate(scenario, run_dir=run_dir, verbose=args.verbose, progress=on_round, stop=stop, signals=signals)
+                if engine is not None:
+                    engine.open()
+                simulate(scenario, run_dir=run_dir, verbose=args.verbose, progress=on_round, stop=stop, signals=signals,
+                         engine=engine)
         except (RunInterrupted, RunStopped) as err:
             code = err.exit_code if isinstance(err, RunInterrupted) else 130
-            return stopped(code, scenario, run_dir if "run_dir" in locals() else None, fresh=args.resume is None)
+            code = stopped(code, scenario, run_dir if "run_dir" in locals() else None, fresh=args.resume is None)
+            if engine is not None:  # Ray shuts down under fedsim's handlers: a second Ctrl-C exits at once
+                engine.close()
+            return code
+    if engine is not None:  # Ray shuts down while the results are printed
+        args.later.callback(engine.close_in_background().join)
     print_wide(round_table(read_rounds(run_dir), f"{scenario.name} (seed {scenario.seed})"))
     summary = json.loads((run_dir / "summary.json").read_text())
     console.print(
@@ -263,6 +282,38 @@ def cmd_run(args) -> int:
     )
     console.print(f"results: {run_dir}")
     return skipped_exit_code(read_rounds(run_dir))
+
+
+def begin_run_engine(args, raw):
+    """`fedsim run`'s Ray (fedsim/engine/shared.py, as a sweep's), starting in the background, on
+    the cluster the scenario's raw `federation.ray_address` or $RAY_ADDRESS names; None for a file
+    that is not a mapping (validation then says why)."""
+    if not isinstance(raw, dict):
+        return None
+    from fedsim.engine.shared import SharedEngine
+
+    federation = raw.get("federation")
+    address = federation.get("ray_address") if isinstance(federation, dict) else None  # validated next
+    return SharedEngine(address=address or os.environ.get("RAY_ADDRESS") or None, verbose=args.verbose).begin()
+
+
+def start_run_engine(engine, scenario):
+    """`engine` up with the run's client actors warming up, or None (closed) where the run starts
+    Ray itself as before: clients with GPU shares (the path run on real GPUs, docs/gpu.md), or a
+    Flower that lacks what a shared engine needs."""
+    if engine is None:
+        return None
+    from fedsim.engine.ray_start import ray_address
+    from fedsim.engine.shared import SharedEngine
+
+    if scenario.federation.client_gpus > 0 or ray_address(scenario) != engine.address:
+        engine.close()
+        return None
+    engine.start(scenario)
+    if not SharedEngine.available():
+        engine.close()
+        return None
+    return engine
 
 
 def skipped_exit_code(rounds: list[dict]) -> int:
@@ -306,53 +357,52 @@ def cmd_sweep(args) -> int:
     from fedsim.runs.sweep import Grid, is_done, sweep_dir
 
     grid = Grid.read(args.file, args.set)
-    with contextlib.ExitStack() as engine_closes:
-        # Ray starts while the runs are validated, and the first run's client actors warm up
-        # while this process imports the server and checks the files (fedsim/engine/shared.py)
-        engine = begin_sweep_engine(args, grid)
-        if engine is not None:
-            engine_closes.callback(engine.close)
-        name, runs = grid.name, grid.validated()
-        folder = sweep_dir(name, runs, args.output)
-        again = clear_runs_that_trained_nothing(folder, runs)
-        todo = [r for r in runs if not is_done(folder / r.name)]
-        if engine is not None:
-            from fedsim.runs.report import load_drawing
+    # Ray starts while the runs are validated, and the first run's client actors warm up
+    # while this process imports the server and checks the files (fedsim/engine/shared.py)
+    engine = begin_sweep_engine(args, grid)
+    if engine is not None:
+        args.later.callback(engine.close)
+    name, runs = grid.name, grid.validated()
+    folder = sweep_dir(name, runs, args.output)
+    again = clear_runs_that_trained_nothing(folder, runs)
+    todo = [r for r in runs if not is_done(folder / r.name)]
+    if engine is not None:
+        from fedsim.runs.report import load_drawing
 
-            load_drawing()  # while Ray is still starting
-            engine = start_sweep_engine(args, engine, todo)
-        import shlex
+        load_drawing()  # while Ray is still starting
+        engine = start_sweep_engine(args, engine, todo)
+    import shlex
 
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
-        from fedsim.runs.report import markdown_table, write_report
+    from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
+    from fedsim.runs.report import markdown_table, write_report
 
-        preflight_runs(runs, str(args.file))
-        console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}"
-                      + (f"; {len(again)} that trained nothing last time run again" if again else ""))
-        columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
-        stop = threading.Event()
-        with on_signals(stop) as signals:
-            try:
-                with Progress(*columns, console=console) as progress:
-                    overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
-                    if todo:
-                        run_on_one_engine(folder, runs, todo, args, progress, overall, stop, signals, engine)
-            except (RunInterrupted, RunStopped) as err:
-                code = err.exit_code if isinstance(err, RunInterrupted) else 130
-                done = sum(finished(folder / r.name) for r in runs)
-                again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
-                         *(["--output", str(args.output)] if args.output is not None else []),
-                         *(["--jobs", str(args.jobs)] if args.jobs != 2 else [])]
-                err_console.print(f"sweep interrupted ({err}): {done} of {len(runs)} runs finished, in {folder}; "
-                                  f"continue with: {shlex.join(again)}", markup=False, highlight=False, soft_wrap=True)
-                if not wait_for_threads(5.0):
-                    exit_now(code)
-                return code
-        if engine is not None:  # Ray shuts down while the report is drawn
-            engine_closes.callback(engine.close_in_background().join)
-        path = write_report([folder], folder / "report")
+    preflight_runs(runs, str(args.file))
+    console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}"
+                  + (f"; {len(again)} that trained nothing last time run again" if again else ""))
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+    stop = threading.Event()
+    with on_signals(stop) as signals:
+        try:
+            with Progress(*columns, console=console) as progress:
+                overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
+                if todo:
+                    run_on_one_engine(folder, runs, todo, args, progress, overall, stop, signals, engine)
+        except (RunInterrupted, RunStopped) as err:
+            code = err.exit_code if isinstance(err, RunInterrupted) else 130
+            done = sum(finished(folder / r.name) for r in runs)
+            again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
+                     *(["--output", str(args.output)] if args.output is not None else []),
+                     *(["--jobs", str(args.jobs)] if args.jobs != 2 else [])]
+            err_console.print(f"sweep interrupted ({err}): {done} of {len(runs)} runs finished, in {folder}; "
+                              f"continue with: {shlex.join(again)}", markup=False, highlight=False, soft_wrap=True)
+            if not wait_for_threads(5.0):
+                exit_now(code)
+            return code
+    if engine is not None:  # Ray shuts down while the report is drawn
+        args.later.callback(engine.close_in_background().join)
+    path = write_report([folder], folder / "report")
     done = [folder / r.name for r in runs if finished(folder / r.name)]
     print(markdown_table(done, {d: d.name for d in done}))
     console.print(f"report: {path}")
@@ -647,18 +697,23 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except ScenarioError as err:
-        err_console.print(str(err), markup=False, highlight=False, soft_wrap=True)
-        return 2
-    except DataFileError as err:
-        err_console.print(f"data error: {err}", markup=False, highlight=False, soft_wrap=True)
-        return 2
-    except FileNotFoundError as err:
-        err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
-        return 2
-    except KeyboardInterrupt:  # outside a run (fedsim.engine.interrupt handles signals inside one)
-        err_console.print("interrupted")
+        # `args.later`: what a command leaves to close once its outcome is printed (Ray's shutdown)
+        with contextlib.ExitStack() as args.later:
+            try:
+                return args.func(args)
+            except ScenarioError as err:
+                err_console.print(str(err), markup=False, highlight=False, soft_wrap=True)
+                return 2
+            except DataFileError as err:
+                err_console.print(f"data error: {err}", markup=False, highlight=False, soft_wrap=True)
+                return 2
+            except FileNotFoundError as err:
+                err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
+                return 2
+            except KeyboardInterrupt:  # outside a run (fedsim.engine.interrupt handles signals inside one)
+                err_console.print("interrupted")
+                return 130
+    except KeyboardInterrupt:  # again, while Ray shuts down
         return 130
 
 

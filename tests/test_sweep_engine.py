@@ -132,17 +132,17 @@ def test_client_apps_and_runtimes_are_kept_per_scenario(mixed):
 @pytest.mark.slow
 @pytest.mark.simulation
 def test_a_mixed_grid_on_one_engine_equals_each_run_alone(mixed, tmp_path):
-    """`fedsim sweep --jobs 2` (one Ray, shared actors, two runs in flight) against `fedsim run` of
-    each run alone (its own Ray): every round's metrics equal, timings aside."""
+    """`fedsim sweep --jobs 2` (one Ray, shared actors, two runs in flight) against each run alone
+    on a Ray of its own (`simulate` without an engine): every round's metrics equal, timings aside."""
+    from fedsim.engine.simulate import simulate
+
     sweep = subprocess.run(FEDSIM + ["sweep", str(mixed), "--jobs", "2", "--output", str(tmp_path / "sweep")],
                            cwd=tmp_path, capture_output=True, text=True)
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     name, runs = expand(mixed)
     folder = sweep_dir(name, runs, tmp_path / "sweep")
     for run in runs:
-        alone = RunFolder.create(run.scenario, tmp_path / "alone").path
-        done = subprocess.run(FEDSIM + ["run", "--resume", str(alone)], cwd=tmp_path, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        alone = simulate(run.scenario, run_dir=tmp_path / "alone" / run.name)
         swept, single = read_rounds(folder / run.name), read_rounds(alone)
         assert len(swept) == run.scenario.federation.rounds
         assert without_times(swept) == without_times(single), run.name
