@@ -230,7 +230,7 @@ def cmd_run(args) -> int:
         raw = apply_overrides(raw, list(args.set or []))
     # Ray starts while the scenario is validated (which imports torch and every component), as a
     # sweep's does; it is shut down once the run's result, or an error, has been printed
-    engine = begin_run_engine(args, raw)
+    engine = begin_engine(args, raw)
     if engine is not None:
         args.later.callback(engine.close)
     from fedsim.engine.interrupt import RunInterrupted, RunStopped, on_signals  # imports Flower
@@ -284,16 +284,16 @@ def cmd_run(args) -> int:
     return skipped_exit_code(read_rounds(run_dir))
 
 
-def begin_run_engine(args, raw):
-    """`fedsim run`'s Ray (fedsim/engine/shared.py, as a sweep's), starting in the background, on
-    the cluster the scenario's raw `federation.ray_address` or $RAY_ADDRESS names; None for a file
-    that is not a mapping (validation then says why)."""
+def begin_engine(args, raw):
+    """The Ray engine of `fedsim run` or `fedsim sweep` (fedsim/engine/shared.py), starting in the
+    background, on the cluster the raw scenario's `federation.ray_address` or $RAY_ADDRESS names
+    (validated after); None for a file that is not a mapping (validation then says why)."""
     if not isinstance(raw, dict):
         return None
     from fedsim.engine.shared import SharedEngine
 
     federation = raw.get("federation")
-    address = federation.get("ray_address") if isinstance(federation, dict) else None  # validated next
+    address = federation.get("ray_address") if isinstance(federation, dict) else None
     return SharedEngine(address=address or os.environ.get("RAY_ADDRESS") or None, verbose=args.verbose).begin()
 
 
@@ -359,7 +359,7 @@ def cmd_sweep(args) -> int:
     grid = Grid.read(args.file, args.set)
     # Ray starts while the runs are validated, and the first run's client actors warm up
     # while this process imports the server and checks the files (fedsim/engine/shared.py)
-    engine = begin_sweep_engine(args, grid)
+    engine = begin_engine(args, grid.base)
     if engine is not None:
         args.later.callback(engine.close)
     name, runs = grid.name, grid.validated()
@@ -457,16 +457,6 @@ def clear_runs_that_trained_nothing(folder: Path, runs) -> list[str]:
         folder_of_run.summary_file.unlink()  # last: a clearing cut short is done again next time
         names.append(run.name)
     return names
-
-
-def begin_sweep_engine(args, grid):
-    """The sweep's one Ray engine (fedsim/engine/shared.py), its Ray starting in the background
-    (or attaching to `federation.ray_address` / $RAY_ADDRESS, as the sweep's base scenario says)."""
-    from fedsim.engine.shared import SharedEngine
-
-    federation = grid.base.get("federation")
-    address = federation.get("ray_address") if isinstance(federation, dict) else None  # validated with the runs
-    return SharedEngine(address=address or os.environ.get("RAY_ADDRESS") or None, verbose=args.verbose).begin()
 
 
 def start_sweep_engine(args, engine, todo):
