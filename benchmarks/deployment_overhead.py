@@ -1,8 +1,8 @@
 """Per-round time on Flower's deployment engine, for each way of running the ClientApps.
 
-Run (the lock keeps other benchmarks off the two cores meanwhile):
+Run (it waits first for the benchmark lock, benchmarks/bench_lock.py: no other benchmark meanwhile):
 
-    flock /tmp/fedsim-bench.lock .venv/bin/python benchmarks/deployment_overhead.py \\
+    .venv/bin/python benchmarks/deployment_overhead.py \\
         [--configs default,poll,process,fork] [--rounds 4] [--repeat 1] [--trace] [--quiet-wait 600] \\
         [--app-dir DIR] [--no-cache]
 
@@ -332,4 +332,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bench_lock import bench_lock  # one benchmark at a time (lock in the system's temp folder)
+
+    with bench_lock():
+        main()

@@ -8,7 +8,7 @@ set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
 DEVICE_VENV=${DEVICE_VENV:-$REPO/.venv}
-W=$(mktemp -d /tmp/fedsim-walk.XXXX)
+W=$(mktemp -d -t fedsim-walk.XXXX)
 export PATH=$REPO/.venv/bin:$PATH FLWR_HOME=$W/flwr_home
 "$REPO/.venv/bin/python" - "$W" <<'PY'
 import os, sys

@@ -1,7 +1,8 @@
 """fedsim against a plain PyTorch loop doing the same federated work, side by side in one benchmark run.
 
-Run: `flock /tmp/fedsim-bench.lock .venv/bin/python benchmarks/overhead.py [--rounds 10] [--only mnist|digits]
-[--repeat 3]`. The machine's speed drifts (here by 10-40% within minutes on a shared host): `--repeat`
+Run: `.venv/bin/python benchmarks/overhead.py [--rounds 10] [--only mnist|digits]
+[--repeat 3]`; it waits first for the benchmark lock (benchmarks/bench_lock.py), so no two benchmarks
+time each other. The machine's speed drifts (here by 10-40% within minutes on a shared host): `--repeat`
 interleaves the two sides and reports the median pair.
 
 Each side of each pair runs in a fresh Python process started by this script (as a user's script
@@ -521,4 +522,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bench_lock import bench_lock  # one benchmark at a time (lock in the system's temp folder)
+
+    with bench_lock():
+        main()

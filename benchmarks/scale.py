@@ -1,6 +1,7 @@
 """Memory and per-round time against the number of *registered* clients (100 / 1,000 / 10,000).
 
-Run: `flock /tmp/fedsim-bench.lock .venv/bin/python benchmarks/scale.py [--clients 100,1000,10000] [--rounds 5]`.
+Run: `.venv/bin/python benchmarks/scale.py [--clients 100,1000,10000] [--rounds 5]`
+(it waits first for the benchmark lock, benchmarks/bench_lock.py: no two benchmarks time each other).
 
 Each size runs in a fresh child process (MNIST, a 784-32-10 MLP, 100 clients sampled per round, 1
 local epoch, central evaluation on the 10,000 test images every round). Every client holds the
@@ -156,4 +157,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bench_lock import bench_lock  # one benchmark at a time (lock in the system's temp folder)
+
+    with bench_lock():
+        main()

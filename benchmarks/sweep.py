@@ -1,7 +1,8 @@
 """A 12-run grid through `fedsim sweep` against the same 12 runs as plain loops in one process.
 
-Run: `flock /tmp/fedsim-bench.lock .venv/bin/python benchmarks/sweep.py [--only digits|mnist]
-[--jobs 2] [--mnist-rounds 10] [--repeat N]`.
+Run: `.venv/bin/python benchmarks/sweep.py [--only digits|mnist]
+[--jobs 2] [--mnist-rounds 10] [--repeat N]` (it waits first for the benchmark lock, benchmarks/bench_lock.py:
+no two benchmarks time each other).
 
 Two grids of 12 runs, each 6 seeds x the edge-case attacker on or off:
 
@@ -168,4 +169,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bench_lock import bench_lock  # one benchmark at a time (lock in the system's temp folder)
+
+    with bench_lock():
+        main()

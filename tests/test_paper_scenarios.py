@@ -1,8 +1,8 @@
 """Attack of the Tails scenarios at the paper's scale and their CPU twins (issue #18, item 5).
 
 scenarios/paper/cifar10_southwest_*.yaml and emnist_ardis_*.yaml set the paper's numbers; each has a
-`*_cpu.yaml` twin that runs here. The expected values below are copied from the reference
-(/work/shared/reference/algorithms.md, section 1: 1.2 data, 1.3 models, 1.4 protocol, 1.5 attacker
+`*_cpu.yaml` twin that runs here. The expected values below are copied from the paper's numbers
+(docs/paper_scale.md, "The paper's numbers": 1.2 data, 1.3 models, 1.4 protocol, 1.5 attacker
 modes, 1.6 frequency, 1.7 defenses), not read from the files, so a file that drifts fails here.
 
 The paper-scale runs need CIFAR-10 / EMNIST files and a GPU, neither present on the development
@@ -27,7 +27,7 @@ from conftest import REPO, data_dir
 PAPER = REPO / "scenarios" / "paper"
 VARIANTS = ("blackbox", "blackbox_clip", "pgd", "pgd_clip", "pgd_replacement", "pgd_replacement_clip")
 
-# algorithms.md section 1, one row per task.
+# docs/paper_scale.md, "The paper's numbers", one row per task.
 TASKS = {
     "cifar10_southwest": dict(
         dataset="cifar10", model="vgg9", num_clients=200, clients_per_round=10, rounds=500,  # 1.4
@@ -120,7 +120,9 @@ def test_every_paper_file_has_a_twin_and_says_where_its_numbers_come_from():
     for task, variant in PAPER_FILES:
         text = (PAPER / f"{task}_{variant}.yaml").read_text()
         assert f"CPU twin: {task}_{variant}_cpu.yaml" in text
-        assert "algorithms.md" in text and "What differs from the official code" in text
+        assert "docs/paper_scale.md" in text and "What differs from the official code" in text
+    doc = (REPO / "docs" / "paper_scale.md").read_text()  # the section the headers cite, with its parts
+    assert "## The paper's numbers" in doc and all(f"### {n} " in doc for n in ("1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8"))
 
 
 def test_cpu_twin_runs_two_rounds_in_process(tmp_path):
@@ -143,7 +145,7 @@ def test_cpu_twin_runs_two_rounds_in_process(tmp_path):
 
 
 # --------------------------------------------------------------------------- Sentiment140 "Greek director"
-# algorithms.md 1.2 (Sentiment140 row: 1948 users, 10 per round, 60 edge points) and the official
+# docs/paper_scale.md 1.2 (Sentiment140: 1948 users, 10 per round, 60 edge points) and the official
 # language-tasks-fl/fl-configs/sent140-fl-conf-greek-director-backdoor.yaml, advPts in
 # src/dataset/sentiment140_data.py, normBounds and the seed in defense_runner.py.
 GREEK = dict(
@@ -196,7 +198,7 @@ def test_sentiment140_greek_paper_file_has_the_papers_numbers(variant):
     assert (sc.federation.device, sc.server.device, sc.evaluation.device) == ("auto", "auto", "auto")
     assert sc.federation.client_gpus == 0.25 and sc.evaluation.test_subset is None
     text = (PAPER / f"{name}.yaml").read_text()
-    assert f"CPU twin: {name}_cpu.yaml" in text and "algorithms.md" in text and "What differs from the official code" in text
+    assert f"CPU twin: {name}_cpu.yaml" in text and "docs/paper_scale.md" in text and "What differs from the official code" in text
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

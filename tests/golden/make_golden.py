@@ -9,12 +9,13 @@ regression to fix, not a reason to regenerate.
     .venv/bin/python tests/golden/make_golden.py            # all scenarios, into tests/golden/
     .venv/bin/python tests/golden/make_golden.py detox      # one scenario
 
-To record from an older commit's code (as the first goldens were, from 8f604e1):
+To record from an older commit's code (as the first goldens were, from 8f604e1), from this
+checkout's root (the old commit in a worktree beside it, run with this checkout's venv):
 
-    git worktree add /tmp/golden-base <commit>
-    cp tests/golden/make_golden.py /tmp/golden-base/tests/golden/
-    cd /tmp/golden-base && PYTHONPATH=/tmp/golden-base /work/main/.venv/bin/python \
-        tests/golden/make_golden.py --out /work/main/tests/golden
+    REPO=$PWD && git worktree add ../golden-base <commit>
+    cp tests/golden/make_golden.py ../golden-base/tests/golden/
+    cd ../golden-base && PYTHONPATH=$PWD "$REPO/.venv/bin/python" \
+        tests/golden/make_golden.py --out "$REPO/tests/golden"
 
 Each golden file holds the rounds.jsonl lines of one small in-process run (LocalGrid, no Ray) of
 scenarios/quickstart.yaml or scenarios/fedma/digits_mlp.yaml with the overrides in SCENARIOS,
