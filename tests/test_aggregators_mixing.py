@@ -1,19 +1,21 @@
-"""Centered clipping, bucketing and nearest-neighbour mixing against independent oracles: hand
+"""Bucketing and nearest-neighbour mixing (aggregators/mixing.py) against independent oracles: hand
 computations, plain-loop references written here (float64, one row at a time), and properties from
-the papers (an outlier's bounded pull, honest neighbourhoods that exclude far outliers)."""
+the papers (honest neighbourhoods that exclude far outliers, byzantine updates that spoil only their
+buckets); then the registry, schema, scenario and DETOX checks they share with centered clipping
+(whose own tests are in test_centered_clipping.py)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from update_samples import make_updates
+from conftest import QUICKSTART, quick_scenario, round_context, update_batch
+from update_samples import close, loop_centered_clip, make_updates
 from fedsim.aggregators import AggregationError
-from fedsim.aggregators.centered_clipping import CenteredClippingParams, centered_clip, centered_clipping
+from fedsim.aggregators.centered_clipping import CenteredClippingParams
 from fedsim.aggregators.detox import detox
 from fedsim.aggregators.mixing import (
     BucketingParams,
@@ -25,24 +27,16 @@ from fedsim.aggregators.mixing import (
     nnm_mix,
     nnm_with_info,
 )
-from fedsim.models.layout import ModelLayout
 from fedsim.registry import AGGREGATORS
-from fedsim.scenario import ScenarioError, load_scenario
+from fedsim.scenario import ScenarioError
 from fedsim.server.pipeline import RoundPipeline
-from fedsim.updates import RoundContext, UpdateBatch
-
-ROOT = Path(__file__).resolve().parents[1]
-HUGE_TAU = 1e30  # the schema refuses inf; this clips nothing
 
 
 # ---------------------------------------------------------------- inputs and references
 
 
-
-
-def context(d: int, seed: int = 0, previous: torch.Tensor | None = None, rnd: int = 1) -> RoundContext:
-    layout = ModelLayout(names=("w",), shapes=((d,),))
-    return RoundContext(rnd, torch.zeros(d), layout, torch.Generator().manual_seed(seed), previous_aggregate=previous)
+def scenario(*overrides: str):
+    return quick_scenario("attack=null", "defenses=[]", *overrides, base=QUICKSTART)
 
 
 def rule(name: str, **params):
@@ -55,22 +49,6 @@ def rule(name: str, **params):
         return entry.obj(updates, weights, **kwargs, **extra)
 
     return call
-
-
-def loop_centered_clip(updates, center, tau, iterations, skip=()):
-    """The paper's iteration, one row at a time in float64; rows in `skip` add nothing."""
-    rows = [r.double() for r in updates]
-    v = center.double().clone()
-    for _ in range(iterations):
-        step = torch.zeros_like(v)
-        for i, row in enumerate(rows):
-            if i in skip:
-                continue
-            diff = row - v
-            norm = float(torch.linalg.vector_norm(diff))
-            step += diff * min(1.0, tau / norm) if norm > 0 else diff
-        v = v + step / len(rows)
-    return v
 
 
 def loop_buckets(n: int, s: int, seed: int) -> list[list[int]]:
@@ -96,114 +74,6 @@ def loop_nnm(updates: torch.Tensor, f: int) -> torch.Tensor:
     return torch.stack(out).float()
 
 
-def close(a, b, rtol=1e-5, atol=1e-5):
-    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol)
-
-
-# ---------------------------------------------------------------- centered clipping
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_huge_tau_one_iteration_is_the_plain_unweighted_mean(seed):
-    updates, weights = make_updates(9, 30, seed)
-    mean = updates.double().mean(dim=0)
-    close(centered_clipping(updates, weights, tau=HUGE_TAU, iterations=1, center="zero"), mean)
-    # from any center, one unclipped step lands on the mean: v + mean(x - v) = mean(x)
-    previous = torch.randn(30, generator=torch.Generator().manual_seed(seed + 10)) * 5
-    close(centered_clipping(updates, weights, tau=HUGE_TAU, iterations=1, ctx=context(30, previous=previous)), mean)
-
-
-def test_two_dimensional_example_by_hand():
-    updates = torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 1.0]])
-    ones = torch.ones(3)
-    # from 0 with tau = 1: [3, 4] (norm 5) clips to [0.6, 0.8]; [0, 0] and [0, 1] stay
-    v1 = torch.tensor([0.6 + 0.0 + 0.0, 0.8 + 0.0 + 1.0]) / 3  # [0.2, 0.6]
-    close(centered_clipping(updates, ones, tau=1.0, iterations=1, center="zero"), v1)
-    # second iteration from [0.2, 0.6]: [2.8, 3.4] has norm sqrt(19.4) and clips; [-0.2, -0.6] and [-0.2, 0.4] stay
-    r = math.sqrt(19.4)
-    v2 = v1 + torch.tensor([2.8 / r - 0.2 - 0.2, 3.4 / r - 0.6 + 0.4]) / 3
-    close(centered_clipping(updates, ones, tau=1.0, iterations=2, center="zero"), v2)
-    # from last round's [3, 4]: [0, 0]; [-3, -4] clips to [-0.6, -0.8]; [-3, -3] clips to -[1, 1]/sqrt(2)
-    ctx = context(2, previous=torch.tensor([3.0, 4.0]))
-    expected = torch.tensor([3.0, 4.0]) + torch.tensor([-0.6 - 1 / math.sqrt(2), -0.8 - 1 / math.sqrt(2)]) / 3
-    close(centered_clipping(updates, ones, tau=1.0, iterations=1, ctx=ctx), expected)
-
-
-@pytest.mark.parametrize("n,iterations,tau", [(7, 1, 0.5), (10, 3, 2.0), (15, 5, 1.0)])
-def test_matches_the_loop_reference(n, iterations, tau):
-    updates, weights = make_updates(n, 40, seed=n)
-    previous = updates[0] * 0.5
-    out = centered_clipping(updates, weights, tau=tau, iterations=iterations, ctx=context(40, previous=previous))
-    close(out, loop_centered_clip(updates, previous, tau, iterations))
-
-
-@pytest.mark.parametrize("iterations", [1, 3, 5])
-@pytest.mark.parametrize("magnitude", [1e3, 1e12, 1e30])
-def test_one_outlier_pulls_at_most_tau_over_n_per_iteration(iterations, magnitude):
-    honest, weights = make_updates(9, 20, seed=5)
-    honest = honest * 0.1
-    direction = torch.randn(20, generator=torch.Generator().manual_seed(6))
-    direction = direction / torch.linalg.vector_norm(direction)
-    updates = torch.cat([honest, (magnitude * direction)[None]])
-    n, tau = 10, 0.5
-    out = centered_clipping(updates, torch.cat([weights, torch.tensor([1e6])]), tau=tau, iterations=iterations, center="zero")
-    # the same iteration with the outlier's term left out (it still counts in 1/n): the honest
-    # part is non-expansive, so each iteration adds at most the outlier's own tau / n
-    without = loop_centered_clip(updates, torch.zeros(20), tau, iterations, skip={9})
-    assert float(torch.linalg.vector_norm(out.double() - without)) <= iterations * tau / n * (1 + 1e-5)
-    if iterations == 1:  # the outlier's pull is exactly tau / n along its direction, however far it is
-        close(out.double() - without, direction.double() * tau / n)
-
-
-def test_non_finite_update_adds_nothing_and_a_huge_finite_one_is_clipped_exactly():
-    updates, weights = make_updates(8, 12, seed=3)
-    updates[2, 4] = float("nan")
-    updates[5] = float("inf")
-    updates[6] = 3e38  # finite, but its norm does not fit in float32
-    out = centered_clipping(updates, weights, tau=1.0, iterations=3, center="zero")
-    assert torch.isfinite(out).all()
-    close(out, loop_centered_clip(updates, torch.zeros(12), 1.0, 3, skip={2, 5}))
-
-
-def test_center_previous_comes_from_the_context_and_zero_ignores_it():
-    updates, weights = make_updates(6, 10, seed=4)
-    previous = torch.full((10,), 2.0)
-    from_zero = centered_clip(updates, torch.zeros(10), 1.0, 1)
-    assert torch.equal(centered_clipping(updates, weights, tau=1.0), from_zero)  # no context: zeros
-    assert torch.equal(centered_clipping(updates, weights, tau=1.0, ctx=context(10)), from_zero)  # first round
-    assert torch.equal(centered_clipping(updates, weights, tau=1.0, center="zero", ctx=context(10, previous=previous)),
-                       from_zero)
-    close(centered_clipping(updates, weights, tau=1.0, ctx=context(10, previous=previous)),
-          loop_centered_clip(updates, previous, 1.0, 1))
-    with pytest.raises(ValueError, match="previous aggregate has shape"):
-        centered_clipping(updates, weights, ctx=context(10, previous=torch.zeros(9)))
-
-
-def test_weights_are_ignored():
-    updates, weights = make_updates(7, 10, seed=8)
-    assert torch.equal(centered_clipping(updates, weights, tau=0.3, iterations=2, center="zero"),
-                       centered_clipping(updates, torch.ones(7), tau=0.3, iterations=2, center="zero"))
-
-
-def scenario(*overrides: str):
-    return load_scenario(str(ROOT / "scenarios/quickstart.yaml"), ["attack=null", "defenses=[]", *overrides])
-
-
-def batch(updates: torch.Tensor, ids=None, weights=None) -> UpdateBatch:
-    n = updates.shape[0]
-    return UpdateBatch(updates, torch.ones(n) if weights is None else weights, tuple(ids or range(n)))
-
-
-def test_pipeline_centers_each_round_on_the_previous_aggregate():
-    pipe = RoundPipeline(scenario("aggregator={name: centered_clipping, tau: 0.5, iterations: 2}"))
-    first, _ = make_updates(10, 6, seed=9)
-    second, _ = make_updates(10, 6, seed=10)
-    out1 = pipe.run(batch(first), set(), context(6, rnd=1))
-    close(out1.aggregate, loop_centered_clip(first, torch.zeros(6), 0.5, 2))
-    out2 = pipe.run(batch(second), set(), context(6, rnd=2))
-    close(out2.aggregate, loop_centered_clip(second, out1.aggregate, 0.5, 2))
-
-
 # ---------------------------------------------------------------- bucketing
 
 
@@ -217,8 +87,8 @@ ORDER_FREE_INNER = [
 @pytest.mark.parametrize("inner,params", ORDER_FREE_INNER)
 def test_bucket_size_one_is_the_inner_rule(inner, params):
     updates, weights = make_updates(15, 20, seed=20)
-    ctx = context(20, seed=3, previous=updates.mean(0))
-    expected = rule(inner, **params)(updates, weights, ctx=context(20, previous=updates.mean(0)))
+    ctx = round_context(20, seed=3, previous=updates.mean(0))
+    expected = rule(inner, **params)(updates, weights, ctx=round_context(20, previous=updates.mean(0)))
     close(bucketing(updates, weights, s=1, inner={"name": inner, **params}, ctx=ctx), expected)
 
 
@@ -227,7 +97,7 @@ def test_bucket_size_one_is_the_inner_rule(inner, params):
 def test_bucketing_matches_the_loop_reference(s, inner):
     updates, weights = make_updates(11, 25, seed=21)
     means, totals = loop_bucket_inputs(updates, weights, loop_buckets(11, s, seed=7))
-    out = bucketing(updates, weights, s=s, inner=inner, ctx=context(25, seed=7))
+    out = bucketing(updates, weights, s=s, inner=inner, ctx=round_context(25, seed=7))
     close(out, rule(inner)(means, totals))
 
 
@@ -236,18 +106,18 @@ def test_bucketing_around_fedavg_is_fedavg_with_equal_counts():
     ones = torch.ones(13)
     for s in (2, 3, 5):
         for seed in range(3):
-            close(bucketing(updates, ones, s=s, inner="fedavg", ctx=context(10, seed=seed)), updates.double().mean(0))
+            close(bucketing(updates, ones, s=s, inner="fedavg", ctx=round_context(10, seed=seed)), updates.double().mean(0))
 
 
 def test_krum_on_buckets_reports_the_chosen_bucket_members():
     updates, weights = make_updates(11, 25, seed=23)
     out, info = bucketing_with_info(updates, weights, s=2, inner={"name": "krum", "num_malicious": 1},
-                                    ctx=context(25, seed=4))
+                                    ctx=round_context(25, seed=4))
     buckets = loop_buckets(11, 2, seed=4)
     assert info["inner"] == "krum" and info["inner_inputs"] == 6
     assert sorted(info["selected"]) in [sorted(b) for b in buckets]
     close(out, updates[info["selected"]].double().mean(0))
-    _, median_info = bucketing_with_info(updates, weights, s=2, inner="median", ctx=context(25))
+    _, median_info = bucketing_with_info(updates, weights, s=2, inner="median", ctx=round_context(25))
     assert "selected" not in median_info  # a rule that does not choose leaves no one out
 
 
@@ -257,14 +127,14 @@ def test_far_byzantine_updates_spoil_only_their_buckets(seed):
     bad = [3, 11]
     updates[bad] = 1e3 + updates[bad]
     _, info = bucketing_with_info(updates, weights, s=2, inner={"name": "krum", "num_malicious": 2},
-                                  ctx=context(20, seed=seed))
+                                  ctx=round_context(20, seed=seed))
     assert not set(info["selected"]) & set(bad)
 
 
 def test_bucketing_draws_from_the_round_generator():
     updates, weights = make_updates(12, 15, seed=24)
-    outs = [bucketing(updates, weights, s=3, inner="median", ctx=context(15, seed=seed)) for seed in range(4)]
-    assert torch.equal(outs[0], bucketing(updates, weights, s=3, inner="median", ctx=context(15, seed=0)))
+    outs = [bucketing(updates, weights, s=3, inner="median", ctx=round_context(15, seed=seed)) for seed in range(4)]
+    assert torch.equal(outs[0], bucketing(updates, weights, s=3, inner="median", ctx=round_context(15, seed=0)))
     assert any(not torch.equal(outs[0], o) for o in outs[1:])
     # without a context (a direct call, or inside DETOX) a fixed seed: still deterministic
     assert torch.equal(bucketing(updates, weights, s=3, inner="median"), bucketing(updates, weights, s=3, inner="median"))
@@ -274,7 +144,7 @@ def test_bucketing_passes_its_context_to_an_inner_rule_that_reads_it():
     updates, weights = make_updates(10, 8, seed=25)
     previous = torch.full((8,), 0.7)
     inner = {"name": "centered_clipping", "tau": 0.5}
-    ctx = context(8, seed=2, previous=previous)
+    ctx = round_context(8, seed=2, previous=previous)
     means, _ = loop_bucket_inputs(updates, weights, loop_buckets(10, 2, seed=2))
     close(bucketing(updates, weights, s=2, inner=inner, ctx=ctx), loop_centered_clip(means, previous, 0.5, 1))
 
@@ -287,7 +157,7 @@ def test_bucketing_round_problem_counts_bucket_means():
     assert "bucketing: 8 clients make 4 buckets of s=2" in reason and "n >= 2f + 3" in reason
     updates, weights = make_updates(8, 5, seed=26)
     with pytest.raises(AggregationError, match=r"bucketing: inner rule krum failed on 4 bucket means of s=2"):
-        bucketing(updates, weights, s=2, inner={"name": "krum", "num_malicious": 1}, ctx=context(5))
+        bucketing(updates, weights, s=2, inner={"name": "krum", "num_malicious": 1}, ctx=round_context(5))
 
 
 # ---------------------------------------------------------------- nearest-neighbour mixing
@@ -314,7 +184,7 @@ def test_nnm_with_no_malicious_makes_every_row_the_mean():
 def test_nnm_composes_with_the_inner_rule(inner, params):
     updates, weights = make_updates(11, 20, seed=42)
     expected = rule(inner, **params)(loop_nnm(updates, 2), weights)  # mixed row i keeps client i's weight
-    close(nnm(updates, weights, num_malicious=2, inner={"name": inner, **params}, ctx=context(20)), expected)
+    close(nnm(updates, weights, num_malicious=2, inner={"name": inner, **params}, ctx=round_context(20)), expected)
 
 
 def test_far_outliers_leave_the_honest_neighbourhoods():
@@ -399,7 +269,7 @@ def test_pipeline_reports_bucket_members_by_client_id():
     pipe = RoundPipeline(scenario("aggregator={name: bucketing, s: 2, inner: {name: krum, num_malicious: 1}}"))
     updates, weights = make_updates(10, 6, seed=50)
     ids = tuple(range(100, 110))
-    out = pipe.run(batch(updates, ids, weights), set(), context(6, seed=9))
+    out = pipe.run(update_batch(updates, ids, weights), set(), round_context(6, seed=9))
     chosen = out.aggregator["selected"]
     assert len(chosen) == 2 and set(chosen) <= set(ids)
     close(out.aggregate, updates[[c - 100 for c in chosen]].double().mean(0))
