@@ -1,6 +1,7 @@
 """`fedsim list` and the round table as a user meets them (#16 items 6, 7): plural or singular kind
 names, schedules, edge sets and ready scenarios listed, tables never cut when output is not a
-terminal, and the ready scenarios found from any folder."""
+terminal, the ready scenarios found from any folder, and README's component table and scenario
+list as `fedsim list --write-readme` writes them."""
 
 from __future__ import annotations
 
@@ -78,3 +79,23 @@ def test_a_missing_scenario_names_every_place_looked(tmp_path, monkeypatch):
     message = missing_file_message("scenarios/paper/nothere")
     assert str(tmp_path / "scenarios" / "paper" / "nothere") in message
     assert str(scenarios_dir() / "paper" / "nothere.yaml") in message and "fedsim list scenarios" in message
+
+
+def test_readme_component_table_is_generated_from_the_registries():
+    from pathlib import Path
+
+    from fedsim.cli import component_table_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("<!-- components:start -->\n")[1].split("<!-- components:end -->")[0]
+    assert table == component_table_markdown(), "run `fedsim list --write-readme README.md`"
+
+
+def test_readme_scenario_list_matches_the_scenarios_folder():
+    from pathlib import Path
+
+    from fedsim.cli import scenario_list_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = readme.split("<!-- scenarios:start -->\n")[1].split("<!-- scenarios:end -->")[0]
+    assert listed == scenario_list_markdown(), "run `fedsim list --write-readme README.md`"
