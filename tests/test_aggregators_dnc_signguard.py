@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,19 +19,17 @@ import torch
 from pydantic import ValidationError
 from sklearn.cluster import MeanShift, estimate_bandwidth
 
+from conftest import QUICKSTART, quick_scenario, round_context
 from update_samples import make_updates
 from fedsim.aggregators import AggregationError
 from fedsim.aggregators.dnc import DnCParams, dnc, dnc_select, dnc_with_info, sample_coordinates
 from fedsim.aggregators.signguard import (
     SignGuardParams, sign_block, signguard, signguard_select, signguard_with_info,
 )
-from fedsim.models.layout import ModelLayout
 from fedsim.registry import AGGREGATORS
-from fedsim.scenario import ScenarioError, load_scenario
+from fedsim.scenario import ScenarioError
 from fedsim.server.pipeline import RoundPipeline
 from fedsim.updates import RoundContext, UpdateBatch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- inputs
 
@@ -46,7 +43,7 @@ def mostly_positive(n: int, d: int, seed: int) -> torch.Tensor:
 
 
 def ctx(seed: int = 0, d: int = 1) -> RoundContext:
-    return RoundContext(1, torch.zeros(d), ModelLayout(names=("w",), shapes=((d,),)), torch.Generator().manual_seed(seed))
+    return round_context(d, seed=seed)
 
 
 def loop_mean(rows: np.ndarray, picked) -> np.ndarray:
@@ -313,7 +310,7 @@ def test_defaults_are_the_papers():
 
 
 def scenario(*overrides: str):
-    return load_scenario(str(ROOT / "scenarios/quickstart.yaml"), ["attack=null", *overrides])
+    return quick_scenario("attack=null", *overrides, base=QUICKSTART)
 
 
 @pytest.mark.parametrize("spec,rule", [
