@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fedsim.defenses.flame as flame_mod
+from conftest import round_context, update_batch
 from fedsim.defenses.clipping import NormClipping, NormClippingParams, WeakDP, WeakDPParams
 from fedsim.defenses.flame import Flame, FlameParams
 from fedsim.defenses.foolsgold import FoolsGold, FoolsGoldParams
@@ -19,17 +20,13 @@ from fedsim.updates import RoundContext, UpdateBatch
 
 
 def make_ctx(d: int, rnd: int = 1, seed: int = 0, global_weights: torch.Tensor | None = None, layout=None) -> RoundContext:
-    layout = layout or ModelLayout(names=("w", "b"), shapes=((d - 1,), (1,)))
-    gw = torch.zeros(d) if global_weights is None else global_weights
-    return RoundContext(round=rnd, global_weights=gw, layout=layout, generator=torch.Generator().manual_seed(seed))
+    """The shared round context, on a layout of a weight vector and a one-value bias unless given."""
+    return round_context(d, rnd, seed, global_weights=global_weights, layout=layout, bias=True)
 
 
 def make_batch(updates, ids=None, weights=None) -> UpdateBatch:
-    u = torch.as_tensor(updates, dtype=torch.float32)
-    n = u.shape[0]
-    ids = tuple(range(n)) if ids is None else tuple(ids)
-    w = torch.full((n,), 10.0) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
-    return UpdateBatch(u, w, ids)
+    """The shared update batch, each client with 10 examples unless given."""
+    return update_batch(updates, ids, weights, weight=10.0)
 
 
 # ---------------------------------------------------------------------------------- norm clipping
