@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,30 +13,29 @@ import torch
 from scipy.optimize import brentq
 from scipy.stats import kstest, norm
 
+from conftest import QUICKSTART, quick_scenario, round_context, run_local, update_batch
 from fedsim.aggregators.fedavg import fedavg
 from fedsim.defenses.dp_fedavg import DPFedAvg, DPFedAvgParams, adaptive_noise_params, next_clip_norm, noise_std
-from fedsim.models.layout import ModelLayout
 from fedsim.privacy.accountant import PrivacyAccountant, default_delta, gaussian_epsilon
 from fedsim.privacy.local import LOCAL_DP, LocalPrivacyLedger, local_epsilon, privatize, privatize_release
 from fedsim.runs.results import central_privacy, local_privacy, summarize
-from fedsim.scenario import LocalDPSection, ScenarioError, dump_scenario, load_scenario, validate_scenario
+from fedsim.scenario import LocalDPSection, ScenarioError, dump_scenario, validate_scenario
 from fedsim.seeding import torch_generator
 from fedsim.server.pipeline import RoundPipeline
 from fedsim.updates import RoundContext, UpdateBatch
 
-ROOT = Path(__file__).resolve().parents[1]
 OPACUS_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))  # RDPAccountant.DEFAULT_ALPHAS
 
 
 def ctx(d: int, rnd: int = 1, seed: int = 0) -> RoundContext:
-    layout = ModelLayout(names=("w", "b"), shapes=((d - 1,), (1,)))
-    return RoundContext(round=rnd, global_weights=torch.zeros(d), layout=layout, generator=torch.Generator().manual_seed(seed))
+    """The shared round context, on a layout of a weight vector and a one-value bias."""
+    return round_context(d, rnd, seed, bias=True)
 
 
 def batch(rows, weights=None) -> UpdateBatch:
-    u = torch.as_tensor(np.asarray(rows), dtype=torch.float32)
-    w = torch.arange(1, u.shape[0] + 1, dtype=torch.float32) * 7 if weights is None else torch.as_tensor(weights, dtype=torch.float32)
-    return UpdateBatch(u, w, tuple(range(100, 100 + u.shape[0])))
+    """The shared update batch: client ids from 100, example counts 7, 14, 21, ... unless given."""
+    n = len(rows)
+    return update_batch(rows, range(100, 100 + n), torch.arange(1, n + 1, dtype=torch.float32) * 7 if weights is None else weights)
 
 
 class Fed:  # the two numbers of the federation section the defense reads
@@ -53,9 +51,8 @@ def one_round(defense: DPFedAvg, b: UpdateBatch, c: RoundContext) -> tuple[torch
 
 
 def scenario(**over):
-    raw = {"federation": {"num_clients": 20, "clients_per_round": 5, "rounds": 2},
-           "defenses": [{"name": "dp_fedavg", **over}]}
-    return validate_scenario(raw)
+    return quick_scenario(base={}, federation={"num_clients": 20, "clients_per_round": 5, "rounds": 2},
+                          defenses=[{"name": "dp_fedavg", **over}])
 
 
 # ------------------------------------------------------------------------------------- accountant
@@ -365,18 +362,13 @@ def test_summary_privacy_entries():
 
 def short_run(tmp_path, rounds: int, *overrides: str):
     """A 6-client digits run in-process: its run folder and trained round lines."""
-    from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
     from fedsim.runs.folder import RunFolder
-    from fedsim.runs.results import read_rounds
-    from fedsim.server.app import run_server
 
-    sc = load_scenario(str(ROOT / "scenarios/quickstart.yaml"), [
+    sc = quick_scenario(
         "federation.num_clients=6", "federation.clients_per_round=3", f"federation.rounds={rounds}",
-        "federation.local_epochs=1", "attack=null", *overrides])
-    run = RunFolder.create(sc, tmp_path)
-    run_server(LocalGrid(make_client_app(sc), 6), sc, run)
-    return run, [r for r in read_rounds(run) if r["round"] > 0]
+        "federation.local_epochs=1", "attack=null", *overrides, base=QUICKSTART)
+    run = run_local(sc, tmp_path, nodes=6)
+    return RunFolder(run.path), [r for r in run.rounds if r["round"] > 0]
 
 
 def test_a_short_run_records_epsilon_each_round_and_in_the_summary(tmp_path):
