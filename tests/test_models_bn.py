@@ -4,22 +4,18 @@ forward shapes, buffers averaged apart from the trainable coordinates the rules 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from conftest import QUICKSTART, quick_scenario, round_context
 from fedsim.models.layout import ModelLayout
 from fedsim.models.nets import features, head
 from fedsim.registry import MODELS
-from fedsim.scenario import load_scenario
 from fedsim.server.pipeline import RoundPipeline
 from fedsim.training import TrainConfig, train
 from fedsim.updates import RoundContext, UpdateBatch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(name: str, input_shape, num_classes: int, **params) -> nn.Module:
@@ -175,7 +171,7 @@ def test_load_into_keeps_the_models_step_counter_and_checks_the_fit():
 # --- the server pipeline ----------------------------------------------------------------------------
 
 def scenario(*overrides: str):
-    return load_scenario(str(ROOT / "scenarios/quickstart.yaml"), ["attack=null", *overrides])
+    return quick_scenario("attack=null", *overrides, base=QUICKSTART)
 
 
 def local_updates(n_clients: int, seed: int = 0):
@@ -196,7 +192,7 @@ def local_updates(n_clients: int, seed: int = 0):
 
 
 def context(layout: ModelLayout, global_vec: torch.Tensor) -> RoundContext:
-    return RoundContext(1, global_vec, layout, torch.Generator().manual_seed(0))
+    return round_context(global_weights=global_vec, layout=layout)
 
 
 def test_buffers_travel_and_fedavg_averages_them_by_weight():
