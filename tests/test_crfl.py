@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
+from conftest import QUICKSTART, quick_scenario, round_context, run_local
 from fedsim.defenses.crfl import (
     CRFL,
     CRFLParams,
@@ -26,17 +27,14 @@ from fedsim.defenses.crfl import (
     top_two,
     vote_counts,
 )
-from fedsim.models.layout import ModelLayout
 from fedsim.registry import DEFENSES
 from fedsim.seeding import derive_seed
 from fedsim.updates import RoundContext
 
 
 def make_ctx(global_weights: torch.Tensor, rnd: int = 1, seed: int = 0) -> RoundContext:
-    d = global_weights.numel()
-    layout = ModelLayout(names=("w", "b"), shapes=((d - 1,), (1,)))
-    return RoundContext(round=rnd, global_weights=global_weights, layout=layout,
-                        generator=torch.Generator().manual_seed(seed))
+    """The shared round context around `global_weights`, on a layout of a weight vector and a one-value bias."""
+    return round_context(rnd=rnd, seed=seed, global_weights=global_weights, bias=True)
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -303,21 +301,12 @@ def test_certify_reports_shares_and_is_deterministic():
 
 
 def test_certify_through_the_evaluator_on_a_two_round_quickstart(tmp_path):
-    from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
-    from fedsim.runs.folder import RunFolder
-    from fedsim.runs.results import read_rounds
-    from fedsim.scenario import load_scenario
-    from fedsim.server.app import run_server
-
-    scenario = load_scenario("scenarios/quickstart.yaml", [
+    scenario = quick_scenario(
         "federation.rounds=2", "federation.num_clients=8", "federation.clients_per_round=5",
         "attack.schedule.every=1", "attack.schedule.first=1",
-        "defenses=[{name: crfl, num_models: 20, certify_subset: 50}]",
-    ])
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients), scenario, run_dir)
-    rounds = read_rounds(run_dir)
+        "defenses=[{name: crfl, num_models: 20, certify_subset: 50}]", base=QUICKSTART,
+    )
+    rounds = run_local(scenario, tmp_path).rounds
     assert [r["round"] for r in rounds] == [1, 2]
     assert "certification" not in rounds[0]  # certify_every None: the last round only
     for r in rounds:
