@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from fedsim.client.app import make_client_app
-from fedsim.runs.folder import RunFolder
-from fedsim.runs.results import read_rounds
-from fedsim.scenario import load_scenario
-from fedsim.server.app import run_server
-from fedsim.engine.local_grid import LocalGrid
+from conftest import QUICKSTART, quick_scenario, run_local
 
 BASE = ["federation.rounds=3", "federation.num_clients=10", "federation.clients_per_round=7"]
 
 
 def run(tmp_path, overrides, fail=()):
-    scenario = load_scenario("scenarios/quickstart.yaml", BASE + overrides)
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients, fail=fail)
-    summary = run_server(grid, scenario, run_dir)
-    return read_rounds(run_dir), summary
+    result = run_local(quick_scenario(*BASE, *overrides, base=QUICKSTART), tmp_path, fail=fail)
+    return result.rounds, result.summary
 
 
 def test_defenses_compose_and_log_what_they_did(tmp_path):
