@@ -10,22 +10,16 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
+from conftest import QUICKSTART, quick_scenario, run_local
 from fedsim.server.record import without_times
-from fedsim.client.app import make_client_app
-from fedsim.runs.folder import RunFolder
-from fedsim.runs.results import read_rounds
-from fedsim.scenario import load_scenario
-from fedsim.server.app import run_server
-from fedsim.engine.local_grid import LocalGrid
 
 QUICK = ["federation.rounds=4", "federation.num_clients=8", "federation.clients_per_round=5", "attack.schedule.every=2", "attack.schedule.first=1"]
 
 
-def run(tmp_path, overrides=(), tamper=None):
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + list(overrides))
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    summary = run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients, tamper), scenario, run_dir)
-    return read_rounds(run_dir), summary, run_dir
+def run(tmp_path, overrides=(), tamper=None, **grid_options):
+    """The QUICK run in-process (grid_options: LocalGrid's fail / offline): rounds, summary, run folder."""
+    result = run_local(quick_scenario(*QUICK, *overrides, base=QUICKSTART), tmp_path, tamper=tamper, **grid_options)
+    return result.rounds, result.summary, result.path
 
 
 def metrics(rounds):
@@ -95,11 +89,8 @@ def test_malformed_upload_is_rejected_and_logged(tmp_path, tamper, pid, reason):
 
 
 def test_crashing_client_is_reported_not_fatal(tmp_path):
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients, fail={1})
-    summary = run_server(grid, scenario, run_dir)
-    hit = [r for r in read_rounds(run_dir) if 1 in r["sampled"]]
+    rounds, summary, _ = run(tmp_path, fail={1})
+    hit = [r for r in rounds if 1 in r["sampled"]]
     assert hit and all("device out of memory" in r["rejected"]["1"] for r in hit)
     assert summary["rounds_completed"] == 4
 
@@ -108,10 +99,7 @@ def test_the_links_answer_for_an_offline_node_is_recorded_under_that_node(tmp_pa
     """A SuperLink answers for a node it marked offline with an error from its own node id; the
     failure must go to the client whose message it answers, not to a client "-1", and the dead
     client must not also get a false "no reply" (issue #21, item 4)."""
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients, offline={1}), scenario, run_dir)
-    rounds = read_rounds(run_dir)
+    rounds, _, _ = run(tmp_path, offline={1})
     hit = [r for r in rounds if 1 in r["sampled"]]
     assert hit and all(r["rejected"]["1"] == "client error: the node is offline" for r in hit)
     assert all("-1" not in r.get("rejected", {}) for r in rounds)
@@ -126,10 +114,8 @@ def test_initial_evaluation_writes_round_zero(tmp_path):
 
 
 def test_too_few_replies_skip_the_round_with_a_message(tmp_path):
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["federation.min_replies=5"])
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients, fail={0, 1, 2, 3}), scenario, run_dir)
-    for r in read_rounds(run_dir):
+    rounds, _, _ = run(tmp_path, ["federation.min_replies=5"], fail={0, 1, 2, 3})
+    for r in rounds:
         failed = set(r["sampled"]) & {0, 1, 2, 3}
         if failed:
             assert r["skipped"] and "min_replies=5" in r["skipped"]
