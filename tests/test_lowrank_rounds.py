@@ -5,29 +5,25 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import QUICKSTART, quick_scenario, run_local
 from fedsim.server.record import without_times
-from fedsim.client.app import make_client_app
 from fedsim.runs.folder import RunFolder
-from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError, load_scenario
-from fedsim.server.app import run_server
-from fedsim.engine.local_grid import LocalGrid
 
 BASE = ["federation.rounds=5", "federation.num_clients=8", "federation.clients_per_round=4",
         "model.hidden=[64, 64]", "attack.schedule.every=2"]
 
 
 def run(tmp_path, overrides, kill_after=None):
-    scenario = load_scenario("scenarios/quickstart.yaml", BASE + overrides)
-    run_dir = tmp_path if (tmp_path / "scenario.yaml").exists() else RunFolder.create(scenario, tmp_path).path
+    scenario = quick_scenario(*BASE, *overrides, base=QUICKSTART)
+    where = RunFolder(tmp_path) if (tmp_path / "scenario.yaml").exists() else tmp_path  # a run folder: resume it
 
     def progress(record):
         if kill_after is not None and record["round"] == kill_after:
             raise KeyboardInterrupt
 
-    grid = LocalGrid(make_client_app(scenario, RunFolder(run_dir).client_states), scenario.federation.num_clients)
-    run_server(grid, scenario, run_dir, progress, checkpoints=True)
-    return read_rounds(run_dir), run_dir
+    result = run_local(scenario, where, progress=progress, checkpoints=True, client_states=True)
+    return result.rounds, result.path
 
 
 def test_pufferfish_switches_after_warmup_and_uploads_shrink(tmp_path):

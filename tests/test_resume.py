@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_local
 from fedsim.server.record import without_times
-from fedsim.client.app import make_client_app
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
-from fedsim.server.app import run_server
-from fedsim.engine.local_grid import LocalGrid
 
 OVERRIDES = [
     "federation.rounds=5", "federation.num_clients=8", "federation.clients_per_round=5",
@@ -32,8 +30,7 @@ def run(scenario, run_dir, kill_after=None):
         if kill_after is not None and record["round"] == kill_after:
             raise Killed  # as if the process died right after round `kill_after` was written
     # fresh node contexts; each client keeps its memory in its own state folder
-    grid = LocalGrid(make_client_app(scenario, RunFolder(run_dir).client_states), scenario.federation.num_clients)
-    return run_server(grid, scenario, run_dir, progress, checkpoints=True)
+    return run_local(scenario, RunFolder(run_dir), progress=progress, checkpoints=True, client_states=True).summary
 
 
 @pytest.mark.parametrize("extra", [[], ["evaluation.initial=true"]])
