@@ -14,8 +14,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
+from conftest import run_local
 from fedsim.server.record import without_times
-from fedsim.client.app import make_client_app
 from fedsim.fedma.arch import ChainArch, state_of
 from fedsim.registry import MODELS
 from fedsim.runs.folder import RunFolder
@@ -23,9 +23,7 @@ from fedsim.runs.results import read_rounds
 from fedsim.runtime import runtime_for
 from fedsim.scenario import ScenarioError, load_scenario
 from fedsim.seeding import INIT, TRAIN, derive_seed
-from fedsim.server.app import run_server
 from fedsim.training import TrainConfig, train
-from fedsim.engine.local_grid import LocalGrid
 
 SCENARIO = "scenarios/fedma/digits_mlp.yaml"
 SMALL = [
@@ -35,10 +33,8 @@ SMALL = [
 
 
 def run(scenario, parent, checkpoints=False, **grid_kwargs):
-    run_dir = RunFolder.create(scenario, parent).path
-    grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients, **grid_kwargs)
-    run_server(grid, scenario, run_dir, checkpoints=checkpoints)
-    return read_rounds(run_dir) if not checkpoints else run_dir
+    result = run_local(scenario, parent, checkpoints=checkpoints, **grid_kwargs)
+    return result.rounds if not checkpoints else result.path
 
 
 def arch_of(name: str, input_shape, params) -> ChainArch:
@@ -216,8 +212,7 @@ def test_resumed_fedma_run_matches_uninterrupted(tmp_path):
         def progress(record):
             if kill_after is not None and record["round"] == kill_after:
                 raise Killed
-        grid = LocalGrid(make_client_app(scenario), scenario.federation.num_clients)
-        return run_server(grid, scenario, run_dir, progress, checkpoints=True)
+        return run_local(scenario, RunFolder(run_dir), progress=progress, checkpoints=True).summary
 
     full, cut = RunFolder.create(scenario, tmp_path / "full").path, RunFolder.create(scenario, tmp_path / "cut").path
     go(full)
