@@ -13,31 +13,29 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import QUICKSTART, quick_scenario, run_local
 from fedsim.client.app import local_update, make_client_app
-from fedsim.engine.local_grid import LocalGrid, StageDropGrid
+from fedsim.engine.local_grid import StageDropGrid
 from fedsim.runs.checkpoint import load_server
-from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.runtime import runtime_for
 from fedsim.scenario import ScenarioError, load_scenario, validate_scenario
-from fedsim.server.app import run_server
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT_SLACK = 2e-6  # float32 rounding of the global model (|w| < 10) on top of the protocol's bound
 
 
 def scenario(*overrides: str):
-    return load_scenario(str(ROOT / "scenarios/quickstart.yaml"), [
+    return quick_scenario(
         "federation.num_clients=6", "federation.clients_per_round=5", "federation.rounds=1",
-        "federation.local_epochs=1", "attack=null", "evaluation.overlap=false", *overrides])
+        "federation.local_epochs=1", "attack=null", "evaluation.overlap=false", *overrides, base=QUICKSTART)
 
 
 def run(sc, grid=None):
     """One in-process run: (its trained round line, the global model after it)."""
-    folder = RunFolder.create(sc, tempfile.mkdtemp())
-    run_server(grid or LocalGrid(make_client_app(sc), sc.federation.num_clients), sc, folder, checkpoints=True)
-    line = [r for r in read_rounds(folder) if r["round"] > 0][-1]
-    return line, load_server(folder, at_most=line["round"])["global"]
+    result = run_local(sc, tempfile.mkdtemp(), grid=grid, checkpoints=True)
+    line = [r for r in result.rounds if r["round"] > 0][-1]
+    return line, load_server(result.path, at_most=line["round"])["global"]
 
 
 def client_updates(sc, pids):
