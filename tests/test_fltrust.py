@@ -3,26 +3,19 @@ paper's formulas, the properties the paper states, and real rounds with the serv
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from conftest import QUICKSTART, quick_scenario, run_local
 from fedsim.server.record import without_times
 from fedsim.aggregators.base import AggregationError
 from fedsim.aggregators.fltrust import fltrust
-from fedsim.client.app import make_client_app
-from fedsim.engine.local_grid import LocalGrid
 from fedsim.preflight import preflight
-from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.runtime import runtime_for
-from fedsim.scenario import ScenarioError, load_scenario
-from fedsim.server.app import run_server
+from fedsim.scenario import ScenarioError
 from fedsim.server.evaluation import CentralEvaluator
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_by_hand():
@@ -74,15 +67,15 @@ def test_every_update_pointing_away_skips_the_round():
 
 
 def scenario(*extra):
-    return load_scenario(str(ROOT / "scenarios/quickstart.yaml"), [
+    return quick_scenario(
         "federation.rounds=3", "federation.num_clients=8", "federation.clients_per_round=6",
-        "attack.schedule.every=1", "attack.schedule.first=1", "aggregator={name: fltrust, root_size: 100}", *extra])
+        "attack.schedule.every=1", "attack.schedule.first=1", "aggregator={name: fltrust, root_size: 100}", *extra,
+        base=QUICKSTART)
 
 
 def test_real_rounds_record_trust_and_the_audit(tmp_path):
     sc = scenario()
-    run = RunFolder.create(sc, tmp_path)
-    run_server(LocalGrid(make_client_app(sc), 8), sc, run)
+    run = run_local(sc, tmp_path).path
     lines = [r for r in read_rounds(run) if r["round"] > 0]
     assert len(lines) == 3 and all(r["skipped"] is None for r in lines)
     for r in lines:
@@ -92,8 +85,7 @@ def test_real_rounds_record_trust_and_the_audit(tmp_path):
         share = r["detection"].get("attacker_weight_share")
         weights = r["aggregator"]["per_row"]["weight"]
         assert share == pytest.approx(sum(w for c, w in weights.items() if int(c) in r["attackers"]))
-    again = RunFolder.create(sc, tmp_path / "again")
-    run_server(LocalGrid(make_client_app(sc), 8), sc, again)
+    again = run_local(sc, tmp_path / "again").path
     assert without_times(read_rounds(run)) == without_times(read_rounds(again))  # the server's training is seeded
 
 
