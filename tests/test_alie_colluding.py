@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import quick_scenario, run_local
 from fedsim.attacks.byzantine import alie_z_max
 from fedsim.client.app import local_update
 from fedsim.runtime import Runtime
-from fedsim.scenario import ScenarioError, load_scenario, validate_scenario
+from fedsim.scenario import ScenarioError, load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL = [1, 4, 6]
@@ -24,8 +25,7 @@ POOL = [1, 4, 6]
 
 def scenario(attack: dict | None, **federation):
     fed = {"num_clients": 8, "clients_per_round": 8, "lr": 0.1, "local_epochs": 1, **federation}
-    return validate_scenario({"seed": 3, "data": {"dataset": "digits"}, "model": {"name": "mlp", "hidden": [16]},
-                              "federation": fed, "attack": attack})
+    return quick_scenario(seed=3, federation=fed, attack=attack)  # QUICK's digits and 16-unit MLP
 
 
 def honest_updates(pids, rnd: int, global_vec: torch.Tensor) -> torch.Tensor:
@@ -71,15 +71,7 @@ def test_it_runs_under_secure_aggregation_where_the_server_side_alie_is_refused(
         load_scenario(ROOT / "scenarios/quickstart.yaml", [*base, "attack={name: alie, num_attackers: 2}"])
     sc = load_scenario(ROOT / "scenarios/quickstart.yaml",
                        [*base, "attack={name: alie_colluding, attacker_ids: [0, 2], schedule: {name: fixed_pool}}"])
-    from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
-    from fedsim.runs.folder import RunFolder
-    from fedsim.runs.results import read_rounds
-    from fedsim.server.app import run_server
-
-    folder = RunFolder.create(sc, tempfile.mkdtemp())
-    run_server(LocalGrid(make_client_app(sc), sc.federation.num_clients), sc, folder)
-    line = [r for r in read_rounds(folder) if r["round"] == 1][0]
+    line = [r for r in run_local(sc, tempfile.mkdtemp()).rounds if r["round"] == 1][0]
     assert not line.get("skipped"), line.get("skipped")
     assert sorted(line["attackers"]) == [0, 2]
     assert line["secure_aggregation"]
