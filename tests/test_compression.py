@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import QUICKSTART, quick_scenario, run_local
 from fedsim.compression import PayloadError
 from fedsim.compression.common import RESIDUAL
 from fedsim.compression.powersgd import orthonormalize
@@ -429,17 +430,8 @@ QUICK = ["federation.rounds=3", "federation.num_clients=8", "federation.clients_
 
 
 def run(tmp_path, overrides):
-    from fedsim.client.app import make_client_app
-    from fedsim.runs.folder import RunFolder
-    from fedsim.runs.results import read_rounds
-    from fedsim.scenario import load_scenario
-    from fedsim.server.app import run_server
-    from fedsim.engine.local_grid import LocalGrid
-
-    scenario = load_scenario("scenarios/quickstart.yaml", QUICK + overrides)
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    summary = run_server(LocalGrid(make_client_app(scenario), scenario.federation.num_clients), scenario, run_dir)
-    return read_rounds(run_dir), summary
+    result = run_local(quick_scenario(*QUICK, *overrides, base=QUICKSTART), tmp_path)
+    return result.rounds, result.summary
 
 
 def test_run_with_topk_uploads_far_fewer_bytes(tmp_path):

@@ -6,12 +6,8 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedsim.client.app import make_client_app
-from fedsim.runs.folder import RunFolder
-from fedsim.runs.results import read_rounds
+from conftest import run_local
 from fedsim.scenario import load_scenario
-from fedsim.server.app import run_server
-from fedsim.engine.local_grid import LocalGrid
 
 D = 4810  # the quickstart MLP
 
@@ -70,9 +66,8 @@ def test_hundreds_of_malformed_uploads_never_crash_a_run(tmp_path):
         reply.content = malformed(rng, reply.content)
         return reply
 
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    summary = run_server(LocalGrid(make_client_app(scenario), 30, tamper=tamper), scenario, run_dir)
-    rounds = read_rounds(run_dir)
+    result = run_local(scenario, tmp_path, tamper=tamper)  # 30 nodes, one per client
+    summary, rounds = result.summary, result.rounds
     assert summary["rounds_completed"] == 10
     rejected = sum(len(r["rejected"]) for r in rounds)
     assert rejected == 10 * 25  # 250 malformed uploads, every one rejected
@@ -83,6 +78,7 @@ def test_hundreds_of_malformed_uploads_never_crash_a_run(tmp_path):
 
 # --- property-based: every codec's decode path against hostile replies --------------------------
 import io  # noqa: E402
+from collections import Counter  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -242,9 +238,16 @@ def hostile_reply(draw, payload: dict[str, np.ndarray]) -> RecordDict:
     return RecordDict(records)
 
 
-def check_reply(codec, layout, content: RecordDict) -> None:
+def honest_reply(draw, payload: dict[str, np.ndarray]) -> RecordDict:
+    """The reply an honest client sends: the valid payload as encoded, an example count and a loss in range."""
+    metrics = {"num-examples": draw(st.integers(0, 1000)), "train-loss": draw(st.floats(0, 10))}
+    return RecordDict({"update": pack_payload(payload), "metrics": MetricRecord(metrics)})
+
+
+def check_reply(codec, layout, content: RecordDict) -> bool:
     """Size and decode a reply as the server does: a clean rejection (PayloadError with a short
-    reason) or a finite, right-sized update with a bounded weight and loss. Nothing else may come out."""
+    reason) or a finite, right-sized update with a bounded weight and loss. Nothing else may come out.
+    True when it decoded."""
     from types import SimpleNamespace
 
     try:
@@ -252,34 +255,52 @@ def check_reply(codec, layout, content: RecordDict) -> None:
         update, weight, got_loss = decode_upload(content, codec, layout)
     except PayloadError as err:
         assert 0 < len(str(err)) <= MAX_REASON, str(err)[:2 * MAX_REASON]
-        return
+        return False
     assert update.shape == (layout.dim,) and update.dtype == torch.float32 and torch.isfinite(update).all()
     assert torch.isfinite(torch.linalg.vector_norm(update)) and 0 <= weight <= MAX_EXAMPLES
     assert np.isfinite(np.float32(weight)) and isinstance(weight, float)
     assert got_loss != got_loss or abs(got_loss) <= F32_MAX  # NaN (not reported) or a bounded number
+    return True
 
 
-# Example budgets: 100 per codec (9 codecs, 900 replies, ~10 s on 2 cores) in the default run; 1,500 per codec
-# (13,500 replies, the size of the fuzzing campaign of issue #16; 70-95 s) in the slow step.
+def fuzz_decode(valid_payloads, name: str, budget: settings) -> Counter:
+    """`budget`'s examples against one codec's decode path, each a hostile reply and an honest one
+    built from the same valid payload; counts the replies that decoded. Every honest reply is valid,
+    so at least half the replies must decode: a decode path that rejected everything, which
+    check_reply alone would pass as clean rejections, fails the tests' floor."""
+    codec, layout, payload = valid_payloads[name]
+    outcomes: Counter = Counter()
+
+    @budget
+    @given(data=st.data())
+    def replies(data):
+        hostile = check_reply(codec, layout, hostile_reply(data.draw, payload))
+        honest = check_reply(codec, layout, honest_reply(data.draw, payload))
+        outcomes.update({"examples": 1, "decoded": hostile + honest, "honest decoded": honest})
+
+    replies()
+    return outcomes
+
+
+# Example budgets: 100 per codec (9 codecs, 900 hostile replies and as many honest ones, ~13 s on 2 cores) in the
+# default run; 1,500 per codec (13,500 hostile replies, the size of the fuzzing campaign of issue #16) in the slow step.
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 FUZZ_SLOW = settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.mark.parametrize("name", CODECS)
-@FUZZ
-@given(data=st.data())
-def test_hostile_replies_are_decoded_or_cleanly_rejected(valid_payloads, name, data):
-    codec, layout, payload = valid_payloads[name]
-    check_reply(codec, layout, hostile_reply(data.draw, payload))
+def test_hostile_replies_are_decoded_or_cleanly_rejected(valid_payloads, name):
+    outcomes = fuzz_decode(valid_payloads, name, FUZZ)
+    assert outcomes["examples"] >= FUZZ.max_examples, outcomes
+    assert outcomes["decoded"] >= outcomes["honest decoded"] == outcomes["examples"], outcomes  # the floor
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CODECS)
-@FUZZ_SLOW
-@given(data=st.data())
-def test_hostile_replies_many(valid_payloads, name, data):
-    codec, layout, payload = valid_payloads[name]
-    check_reply(codec, layout, hostile_reply(data.draw, payload))
+def test_hostile_replies_many(valid_payloads, name):
+    outcomes = fuzz_decode(valid_payloads, name, FUZZ_SLOW)
+    assert outcomes["examples"] >= FUZZ_SLOW.max_examples, outcomes
+    assert outcomes["decoded"] >= outcomes["honest decoded"] == outcomes["examples"], outcomes  # the floor
 
 
 @pytest.mark.parametrize("loss", [float("inf"), float("-inf"), 1e39, -1e39, 10**39, [0.5]],
@@ -452,9 +473,7 @@ def test_absurd_example_counts_reject_one_client_and_the_round_goes_on(tmp_path,
             reply.content["metrics"]["num-examples"] = count
         return reply
 
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    run_server(LocalGrid(make_client_app(scenario), 5, tamper=tamper), scenario, run_dir)
-    rounds = read_rounds(run_dir)
+    rounds = run_local(scenario, tmp_path, tamper=tamper).rounds
     reason = (f"reply does not serialize: metrics['num-examples'] = {count}: ValueError: Value out of range" if count == 10**30
               else f"num-examples must be a count in [0, {MAX_EXAMPLES}], got {count!r}")
     assert all(r["rejected"]["3"].startswith(reason) and r["aggregated"] == [0, 1, 2, 4] and not r["skipped"] for r in rounds)
@@ -482,9 +501,7 @@ def test_fedma_upload_with_overflowing_norm_or_infinite_loss_is_rejected(tmp_pat
             reply.content["metrics"]["train-loss"] = float("inf")
         return reply
 
-    run_dir = RunFolder.create(scenario, tmp_path).path
-    run_server(LocalGrid(make_client_app(scenario), 4, tamper=tamper), scenario, run_dir)
-    (r,) = read_rounds(run_dir)
+    (r,) = run_local(scenario, tmp_path, tamper=tamper).rounds
     assert "layer 0" in r["rejected"]["1"] and "norm overflows float32" in r["rejected"]["1"]
     assert "layer 0" in r["rejected"]["2"] and "train-loss must be a number" in r["rejected"]["2"]
     assert r["aggregated"] == [0, 3] and np.isfinite(r["train_loss"])
