@@ -18,12 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.client.app import make_client_app
-from fedsim.engine.local_grid import LocalGrid
+from conftest import quick_scenario, run_local
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError, load_scenario
-from fedsim.server.app import run_server
 from fedsim.tracking import Trackers, TrackingUnavailable
 from fedsim.tracking.base import flat_metrics, flat_params
 from fedsim.tracking.tensorboard_sink import TensorBoardSink
@@ -54,15 +52,15 @@ class Killed(Exception):
 def run(parent: Path, tracking: str, extra=(), run_dir: Path | None = None, kill_after: int | None = None,
         checkpoints: bool = False) -> tuple[Path, dict | None]:
     """One small run on the in-process grid with `tracking` (YAML) as the scenario's tracking list."""
-    scenario = load_scenario(QUICKSTART, SMALL + [f"tracking={tracking}", *extra])
-    folder = RunFolder.create(scenario, parent) if run_dir is None else RunFolder(run_dir)
+    scenario = quick_scenario(*SMALL, f"tracking={tracking}", *extra, base=QUICKSTART)
 
     def progress(record):
         if kill_after is not None and record["round"] == kill_after:
             raise Killed
 
-    grid = LocalGrid(make_client_app(scenario, folder.client_states), scenario.federation.num_clients)
-    return folder.path, run_server(grid, scenario, folder, progress, checkpoints=checkpoints)
+    result = run_local(scenario, parent if run_dir is None else RunFolder(run_dir), progress=progress,
+                       checkpoints=checkpoints, client_states=True)
+    return result.path, result.summary
 
 
 def series(run_dir: Path, key: str) -> list[tuple[int, float]]:
