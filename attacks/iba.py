@@ -477,10 +477,10 @@ class IrreversibleBackdoor(ClientAttack):
 
     def check_report_size(self, runtime, gen: nn.Module) -> None:
         """The report must fit the server's bound on a reply (fedsim.wire): an error names generator_width."""
-        from fedsim.wire import MAX_PAYLOAD_FACTOR
+        from fedsim.wire import MAX_PAYLOAD_FACTOR, max_payload_bytes  # imports Flower: only when measured
 
         size = sum(v.numel() * v.element_size() for v in gen.state_dict().values()) + 8
-        limit = MAX_PAYLOAD_FACTOR * 4 * runtime.layout.dim + (1 << 20)
+        limit = max_payload_bytes(runtime.layout)
         if size > limit:
             raise ValueError(
                 f"the IBA generator ({size} bytes) exceeds the {limit} bytes the server accepts in a reply for this "

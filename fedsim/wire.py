@@ -47,9 +47,15 @@ def pack_payload(payload: dict[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord(array_dict={k: Array(np.ascontiguousarray(v)) for k, v in payload.items()})
 
 
+def max_payload_bytes(layout: ModelLayout) -> int:
+    """The most bytes of array data a client's payload (an upload or a backdoor report) may carry for
+    this model: `MAX_PAYLOAD_FACTOR` times the float32 model, plus 1 MiB."""
+    return MAX_PAYLOAD_FACTOR * 4 * layout.dim + (1 << 20)
+
+
 def unpack_payload(record: ArrayRecord, layout: ModelLayout) -> dict[str, np.ndarray]:
     """A client's payload arrays, refusing oversized ones before deserialising anything."""
-    limit = MAX_PAYLOAD_FACTOR * 4 * layout.dim + (1 << 20)
+    limit = max_payload_bytes(layout)
     size = sum(len(a.data) for a in record.values())
     if size > limit:
         raise PayloadError(f"payload of {size} bytes exceeds the limit of {limit} bytes for this model")
