@@ -74,7 +74,8 @@ from fedsim.attacks.base import AttackerRound, AttackParams, ClientAttack
 from fedsim.attacks.edge_case import project_l2
 from fedsim.attacks.trigger import Scale, check_class, image_hw, update_scale
 from fedsim.registry import ATTACKS
-from fedsim.seeding import derive_seed
+from fedsim.seeding import TORCH_GLOBAL_RNG, derive_seed
+from fedsim.training import SGD, Adam, sgd_epochs
 
 GEN = "generator."  # memory / report key prefix of the generator's state dict
 PHASE = "phase"  # memory: [backdoor phase started (0/1), its first round, generator retrained last round (0/1)]
@@ -202,9 +203,10 @@ def generator_kind(kind: str, input_shape: tuple[int, ...]) -> str:
 
 
 def build_generator(kind: str, input_shape: tuple[int, ...], width: int, seed: int) -> nn.Module:
-    """The generator with seeded initial weights (torch's default init, drawn without touching the global RNG)."""
+    """The generator with seeded initial weights: torch's default init draws from the global generator,
+    seeded here under its lock and put back as it was afterwards."""
     kind = generator_kind(kind, input_shape)
-    with torch.random.fork_rng(devices=[]):
+    with TORCH_GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return MNISTAutoencoder() if kind == "mnist_autoencoder" else UNetGenerator(input_shape[0], width)
 
@@ -243,52 +245,28 @@ def triggered(gen: nn.Module, x: np.ndarray, eps: float, lo: torch.Tensor, hi: t
     return torch.cat(out).numpy() if out else x.copy()
 
 
-class Adam:
-    """Adam (Kingma & Ba) as torch.optim.Adam computes it (no weight decay, no amsgrad), with torch's
-    multi-tensor (`_foreach`) ops, without the `Optimizer` class (see fedsim.training.SGD for why)."""
-
-    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        self.params = list(params)
-        self.lr, (self.b1, self.b2), self.eps = lr, betas, eps
-        self.m = [torch.zeros_like(p) for p in self.params]
-        self.v = [torch.zeros_like(p) for p in self.params]
-        self.t = 0
-
-    @torch.no_grad()
-    def step(self, grads) -> None:
-        self.t += 1
-        c1, c2 = 1 - self.b1**self.t, 1 - self.b2**self.t
-        torch._foreach_lerp_(self.m, list(grads), 1 - self.b1)
-        torch._foreach_mul_(self.v, self.b2)
-        torch._foreach_addcmul_(self.v, list(grads), list(grads), 1 - self.b2)
-        denom = torch._foreach_div(torch._foreach_sqrt(self.v), c2**0.5)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(self.params, self.m, denom, -self.lr / c1)
-
-
 def train_generator(
     gen: nn.Module, model: nn.Module, x: np.ndarray, target: int, eps: float, lo: torch.Tensor, hi: torch.Tensor,
     lr: float, epochs: int, batch_size: int, seed: int,
 ) -> list[float]:
-    """min_ξ CE(f(clip(x + ε·T_ξ(x))), target) by Adam over shuffled batches of `x`, the classifier
-    fixed in eval mode (official `_train_attack_model`); returns each epoch's mean loss."""
+    """min_ξ CE(f(clip(x + ε·T_ξ(x))), target) by Adam over shuffled batches of `x` (the one training
+    loop, `fedsim.training.sgd_epochs`), the classifier fixed in eval mode (official
+    `_train_attack_model`); returns each epoch's mean loss."""
     model.eval()
-    gen.train()
-    params = [p for p in gen.parameters()]
-    opt = Adam(params, lr)
-    order_gen = torch.Generator().manual_seed(seed)
-    xt = torch.from_numpy(np.ascontiguousarray(x))
-    losses = []
-    for _ in range(epochs):
-        order = torch.randperm(len(xt), generator=order_gen)
-        total = 0.0
-        for i in range(0, len(xt), batch_size):
-            xb = xt[order[i : i + batch_size]]
-            logits = model(apply_trigger(gen, xb, eps, lo, hi))
-            loss = F.cross_entropy(logits, torch.full((len(xb),), target, dtype=torch.int64))
-            opt.step(torch.autograd.grad(loss, params))
-            total += loss.item() * len(xb)
-        losses.append(total / max(len(xt), 1))
+    trainable = [q.requires_grad for q in model.parameters()]
+    model.requires_grad_(False)  # only read: no gradient is kept for it
+    losses: list[float] = []
+
+    def loss_fn(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(apply_trigger(gen, xb, eps, lo, hi)), yb)
+
+    try:
+        sgd_epochs(gen, list(gen.parameters()), np.ascontiguousarray(x), np.full(len(x), target, dtype=np.int64),
+                   batch_size, [lr] * epochs, 0.0, 0.0, seed, loss_fn, make_optimizer=lambda params: Adam(params, lr),
+                   after_epoch=lambda epoch, last, loss: losses.append(loss))
+    finally:
+        for q, flag in zip(model.parameters(), trainable):
+            q.requires_grad_(flag)
     return losses
 
 
@@ -307,56 +285,55 @@ def neurotoxin_mask(model: nn.Module, x: np.ndarray, y: np.ndarray, ratio: float
     return [m.view_as(p) for m, p in zip(torch.split(keep, [p.numel() for p in params]), params)]
 
 
+class MaskedSGD(SGD):
+    """SGD whose step first multiplies each gradient by its 0/1 mask (`masks`; None: no mask): Neurotoxin."""
+
+    masks: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.masks is not None:
+            for p, m in zip(self.params, self.masks):
+                if p.grad is not None:
+                    p.grad.mul_(m)
+        super().step()
+
+
 def train_backdoor(
     model: nn.Module, x: np.ndarray, y: np.ndarray, x_trig: np.ndarray | None, target: int, alpha: float,
     portion: float, cfg, seed: int, end_of_epoch=None, mask_for_epoch=None,
 ) -> dict:
     """Local SGD with loss α·CE(f(B), y_B) + (1 − α)·CE(f(x̃ of B's first ⌊portion·|B|⌋), target) per
-    batch B (official `_train_main_model`); α = 1 or `x_trig` None is plain clean training.
+    batch B (official `_train_main_model`) through the one training loop (`fedsim.training.sgd_epochs`);
+    α = 1 or `x_trig` None is plain clean training.
 
     `mask_for_epoch(model)` -> gradient masks applied before each step of that epoch (Neurotoxin);
     `end_of_epoch(epoch, last)` runs after each epoch (PGD projection). Deterministic for a seed.
     """
-    from fedsim.training import SGD
-
-    torch.manual_seed(seed)  # dropout masks
-    order_gen = torch.Generator().manual_seed(seed)
-    xt, yt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
+    yt = torch.from_numpy(y)
     xp = torch.from_numpy(np.ascontiguousarray(x_trig)) if x_trig is not None and alpha < 1 else None
-    params = [p for p in model.parameters()]
-    opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    model.train()
-    steps, last_loss, n = 0, float("nan"), len(xt)
-    for epoch in range(cfg.epochs):
-        if cfg.max_steps is not None and steps >= cfg.max_steps:
-            break
-        masks = mask_for_epoch(model) if mask_for_epoch is not None else None
+    params = list(model.parameters())
+    opt = MaskedSGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+    def loss_fn(xb: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        # the loop's labels are the examples' indices: the loss looks up their labels and triggered copies
+        loss = F.cross_entropy(model(xb), yt[idx])
+        k = int(portion * len(idx)) if xp is not None else 0
+        if k > 0:
+            poison = F.cross_entropy(model(xp[idx[:k]]), torch.full((k,), target, dtype=torch.int64))
+            loss = alpha * loss + (1 - alpha) * poison
+        return loss
+
+    def before_epoch(epoch: int) -> None:
+        opt.masks = mask_for_epoch(model)
         model.train()
-        order = torch.randperm(n, generator=order_gen)
-        total, count = 0.0, 0
-        for i in range(0, n, cfg.batch_size):
-            if cfg.max_steps is not None and steps >= cfg.max_steps:
-                break
-            idx = order[i : i + cfg.batch_size]
-            opt.zero_grad()
-            loss = F.cross_entropy(model(xt[idx]), yt[idx])
-            k = int(portion * len(idx)) if xp is not None else 0
-            if k > 0:
-                poison = F.cross_entropy(model(xp[idx[:k]]), torch.full((k,), target, dtype=torch.int64))
-                loss = alpha * loss + (1 - alpha) * poison
-            loss.backward()
-            if masks is not None:
-                for p, m in zip(params, masks):
-                    if p.grad is not None:
-                        p.grad.mul_(m)
-            opt.step()
-            steps += 1
-            total += loss.item() * len(idx)
-            count += len(idx)
-        last_loss = total / max(count, 1)
-        if end_of_epoch is not None:
-            end_of_epoch(epoch, epoch == cfg.epochs - 1 or (cfg.max_steps is not None and steps >= cfg.max_steps))
-    return {"loss": last_loss, "steps": steps}
+
+    return sgd_epochs(
+        model, params, np.ascontiguousarray(x), np.arange(len(x), dtype=np.int64), cfg.batch_size, [cfg.lr] * cfg.epochs,
+        cfg.momentum, cfg.weight_decay, seed, loss_fn, max_steps=cfg.max_steps, make_optimizer=lambda _: opt,
+        before_epoch=before_epoch if mask_for_epoch is not None else None,
+        after_epoch=None if end_of_epoch is None else lambda epoch, last, loss: end_of_epoch(epoch, last),
+    )
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +57,56 @@ class SGD:
         if self.momentum:
             for i, buf in zip(live, buffers):
                 self.buffers[i] = buf
+
+
+class Adam:
+    """torch's Adam (Kingma & Ba; no weight decay, no amsgrad) with its multi-tensor (`_foreach`)
+    ops, the same update as `torch.optim.Adam`, bit for bit (tested), without the `Optimizer` class
+    (see `SGD` for why). Like `torch.optim.Adam`, a parameter without a gradient is skipped, and
+    each parameter counts its own steps for the bias corrections."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.params = list(params)
+        self.lr, (self.b1, self.b2), self.eps = lr, betas, eps
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+        self.steps = [0] * len(self.params)
+        self.param_groups = [{"params": self.params}]  # what torch.amp.GradScaler unscales (fp16)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not live:
+            return
+        params, grads = [self.params[i] for i in live], [self.params[i].grad for i in live]
+        m, v = [self.m[i] for i in live], [self.v[i] for i in live]
+        for i in live:
+            self.steps[i] += 1
+        c1 = [1 - self.b1 ** self.steps[i] for i in live]
+        c2 = [1 - self.b2 ** self.steps[i] for i in live]
+        torch._foreach_lerp_(m, grads, 1 - self.b1)
+        torch._foreach_mul_(v, self.b2)
+        torch._foreach_addcmul_(v, grads, grads, 1 - self.b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, [c**0.5 for c in c2])
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(params, m, denom, [-self.lr / c for c in c1])
+
+
+class OptimizerLike(Protocol):
+    """What the training loop asks of an optimizer (`SGD`, `Adam`): the lr it sets each epoch, and
+    a step on the gradients `backward` left in the parameters."""
+
+    lr: float
+    param_groups: list[dict]
+
+    def zero_grad(self) -> None: ...
+
+    def step(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -175,12 +225,21 @@ def sgd_epochs(
     model: nn.Module, params: list[torch.Tensor], x: np.ndarray, y: np.ndarray, batch_size: int, lrs: list[float],
     momentum: float, weight_decay: float, seed: int, loss_fn: Callable, after_step: Callable[[int, bool], None] | None = None,
     max_steps: int | None = None, *, device: torch.device | str | None = None, precision: str = "fp32",
-    deterministic: bool = False,
+    deterministic: bool = False, make_optimizer: Callable[[list[torch.Tensor]], OptimizerLike] | None = None,
+    before_epoch: Callable[[int], None] | None = None, after_epoch: Callable[[int, bool, float], None] | None = None,
 ) -> dict:
-    """SGD on `params` over shuffled batches of (x, y), one epoch per entry of `lrs` (the lr of
-    that epoch), on any loss: `loss_fn(xb, yb)` gives the objective, or (objective, the loss to
+    """SGD (or `make_optimizer`'s) on `params` over shuffled batches of (x, y), one epoch per entry
+    of `lrs` (the lr of that epoch), on any loss: `loss_fn(xb, yb)` gives the objective, or (objective, the loss to
     report). The one training loop: honest clients (`train`) and attackers with their own
-    objective (Chameleon's contrastive stage) share its seeding, batching and step order.
+    objective (Chameleon's contrastive stage, IBA's poisoned batches and its trigger generator)
+    share its seeding, batching and step order.
+
+    `make_optimizer(params)` gives another optimizer in place of `SGD(momentum, weight_decay)`
+    (IBA's generator trains by `Adam`); its `lr` is set from `lrs` each epoch as SGD's is.
+    `before_epoch(epoch)` runs at the start of each epoch that trains (before its shuffle; IBA's
+    Neurotoxin mask), `after_epoch(epoch, last, mean_loss)` at its end, `last` when no epoch
+    follows (the final one, or `max_steps` reached), and `after_step(batch_index, last_of_epoch)`
+    after each optimizer step.
 
     `device` (default CPU), `precision` and `deterministic` as in TrainConfig. The shuffling
     generator stays on CPU, so every device sees the same batches in the same order; only the
@@ -192,14 +251,19 @@ def sgd_epochs(
         seed_dropout(seed, device)
         gen = torch.Generator().manual_seed(seed)
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-        opt = SGD(params, lr=lrs[0] if lrs else 0.0, momentum=momentum, weight_decay=weight_decay)
+        if make_optimizer is None:
+            opt = SGD(params, lr=lrs[0] if lrs else 0.0, momentum=momentum, weight_decay=weight_decay)
+        else:
+            opt = make_optimizer(params)
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         model.train()
         steps, last_loss, n = 0, float("nan"), len(xt)
         num_batches = (n + batch_size - 1) // batch_size
-        for lr in lrs:
+        for epoch, lr in enumerate(lrs):
             if max_steps is not None and steps >= max_steps:
                 break
+            if before_epoch is not None:
+                before_epoch(epoch)
             opt.lr = lr
             order = torch.randperm(n, generator=gen)
             losses = LossSum(on_host=device.type == "cpu")
@@ -223,6 +287,8 @@ def sgd_epochs(
                     after_step(b, b == num_batches - 1)
                 losses.add(loss, len(idx))
             last_loss = losses.mean()
+            if after_epoch is not None:
+                after_epoch(epoch, epoch == len(lrs) - 1 or (max_steps is not None and steps >= max_steps), last_loss)
         return {"loss": last_loss, "steps": steps}
 
 
