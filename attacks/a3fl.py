@@ -245,11 +245,9 @@ class A3FL(PartitionPoisoner):
         c = runtime.data.x_train.shape[1]
         if self.params.bounds is not None:
             return np.full(c, self.params.bounds[0], np.float32), np.full(c, self.params.bounds[1], np.float32)
-        if ("pixel_range",) not in runtime.cache:
-            x = runtime.data.x_train
-            runtime.cache[("pixel_range",)] = (x.min(axis=(0, 2, 3)).astype(np.float32),
-                                               x.max(axis=(0, 2, 3)).astype(np.float32))
-        lo, hi = runtime.cache[("pixel_range",)]
+        x = runtime.data.x_train
+        lo, hi = runtime.cached(("a3fl", "pixel_range"), lambda: (x.min(axis=(0, 2, 3)).astype(np.float32),
+                                                                  x.max(axis=(0, 2, 3)).astype(np.float32)))
         v = self.params.init_value
         if ((v < lo) | (v > hi)).any():
             raise ValueError(
@@ -276,11 +274,8 @@ class A3FL(PartitionPoisoner):
         return t
 
     def poisoned_rows(self, runtime, partition_id: int) -> np.ndarray:
-        key = ("a3fl_rows", partition_id)
-        if key not in runtime.cache:
-            n = len(runtime.partitions[partition_id])
-            runtime.cache[key] = choose_poisoned(n, self.params.poison_fraction, runtime.scenario.seed, partition_id)
-        return runtime.cache[key]
+        return runtime.cached(("a3fl", "poisoned_rows", partition_id), lambda: choose_poisoned(
+            len(runtime.partitions[partition_id]), self.params.poison_fraction, runtime.scenario.seed, partition_id))
 
     def stamped(self, runtime, partition_id: int, trigger: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The attacker's partition with its poisoned rows stamped with `trigger` and relabelled."""

@@ -92,15 +92,14 @@ class BlendedBackdoor(PartitionPoisoner):
 
     def pattern(self, runtime) -> np.ndarray:
         """The [C, H, W] key, built once per process."""
-        key = ("blended_pattern", self.params.pattern_file, runtime.scenario.seed)
-        if key not in runtime.cache:
+        def build() -> np.ndarray:
             h, w = image_hw(runtime)
             shape = (runtime.data.x_train.shape[1], h, w)
             if self.params.pattern_file is not None:
-                runtime.cache[key] = load_pattern(self.params.pattern_file, runtime.scenario.data.dir, shape)
-            else:
-                runtime.cache[key] = noise_pattern(runtime.data.x_train, runtime.scenario.seed)
-        return runtime.cache[key]
+                return load_pattern(self.params.pattern_file, runtime.scenario.data.dir, shape)
+            return noise_pattern(runtime.data.x_train, runtime.scenario.seed)
+
+        return runtime.cached(("blended", "pattern", self.params.pattern_file, runtime.scenario.seed), build)
 
     def poisoned_rows(self, runtime, partition_id: int) -> np.ndarray:
         """Indices into the attacker's partition of the samples it blends and relabels."""

@@ -224,10 +224,8 @@ class Chameleon(ClientAttack):
 
     def target_class(self, runtime) -> int:
         """The label the nested attack gives its backdoor inputs (the facilitators' class)."""
-        key = ("chameleon_target", self.params.poison.model_dump_json())
-        if key not in runtime.cache:
-            runtime.cache[key] = single_target(self.poison.backdoor_test_set(runtime), self.params.poison.name)
-        return runtime.cache[key]
+        return runtime.cached(("chameleon", "target", self.params.poison.model_dump_json()),
+                              lambda: single_target(self.poison.backdoor_test_set(runtime), self.params.poison.name))
 
     def honest_extra_data(self, runtime, partition_id: int):
         return self.poison.honest_extra_data(runtime, partition_id)

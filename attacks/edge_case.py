@@ -120,8 +120,8 @@ class EdgeCaseBackdoor(ClientAttack):
 
     def edge_set(self, runtime):
         spec = self.params.edge_set
-        key = ("edge_set", spec, runtime.scenario.seed)
-        if key not in runtime.cache:
+
+        def build():
             if isinstance(spec, TailEdge):
                 edge = cached_tail(runtime.data, spec, runtime.scenario.seed)
             elif isinstance(spec, ArdisEdge):
@@ -134,8 +134,9 @@ class EdgeCaseBackdoor(ClientAttack):
                 raise TypeError(spec)
             if edge.target >= runtime.data.num_classes:
                 raise ValueError(f"edge set target {edge.target} is not a class of {runtime.data.name}")
-            runtime.cache[key] = edge
-        return runtime.cache[key]
+            return edge
+
+        return runtime.cached(("edge_case", "edge_set", spec, runtime.scenario.seed), build)
 
     def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
         edge = self.edge_set(runtime)
@@ -194,13 +195,13 @@ class EdgeCaseBackdoor(ClientAttack):
         return pool[share], np.full(len(share), true_label, dtype=np.int64)
 
     def _copy_holders(self, runtime) -> list[int]:
-        key = ("copy_holders", self.params.honest_copy_share)
-        if key not in runtime.cache:
+        def build() -> list[int]:
             honest = [c for c in range(runtime.scenario.federation.num_clients) if c not in runtime.attackers]
             k = max(1, round(self.params.honest_copy_share * runtime.scenario.federation.num_clients))
             rng = np.random.default_rng([runtime.scenario.seed, 0xC0B1])
-            runtime.cache[key] = sorted(rng.choice(honest, size=min(k, len(honest)), replace=False).tolist())
-        return runtime.cache[key]
+            return sorted(rng.choice(honest, size=min(k, len(honest)), replace=False).tolist())
+
+        return runtime.cached(("edge_case", "copy_holders", self.params.honest_copy_share), build)
 
     def backdoor_test_set(self, runtime) -> tuple[np.ndarray, np.ndarray]:
         edge = self.edge_set(runtime)

@@ -364,12 +364,12 @@ class IrreversibleBackdoor(ClientAttack):
 
     def data_range(self, runtime) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel [min, max] of the training inputs, shaped [1, C, 1, 1]: where x̃ is clipped."""
-        key = ("iba_range",)
-        if key not in runtime.cache:
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
             x = runtime.data.x_train
             lo, hi = x.min(axis=(0, 2, 3)), x.max(axis=(0, 2, 3))
-            runtime.cache[key] = (torch.from_numpy(lo).view(1, -1, 1, 1), torch.from_numpy(hi).view(1, -1, 1, 1))
-        return runtime.cache[key]
+            return torch.from_numpy(lo).view(1, -1, 1, 1), torch.from_numpy(hi).view(1, -1, 1, 1)
+
+        return runtime.cached(("iba", "data_range"), build)
 
     def initial_generator(self, runtime) -> nn.Module:
         """Every attacker's generator before its first round: seeded by the scenario seed only."""
@@ -436,21 +436,21 @@ class IrreversibleBackdoor(ClientAttack):
         report: the seeded initial generator at `eps`), labelled target."""
         p = self.params
         check_class(p.target_class, runtime)
-        key = ("iba_initial_test_set",)
-        if shared is None and key in runtime.cache:
-            return runtime.cache[key]
-        gen = self.initial_generator(runtime)
-        self.check_report_size(runtime, gen)
-        eps = p.eps
-        if shared is not None:
-            load_generator(gen, shared)
-            eps = float(np.asarray(shared.get(EPS, [p.eps])).reshape(-1)[0])
-        lo, hi = self.data_range(runtime)
-        keep = runtime.data.y_test != p.target_class
-        out = triggered(gen, runtime.data.x_test[keep], eps, lo, hi), np.full(int(keep.sum()), p.target_class, dtype=np.int64)
-        if shared is None:
-            runtime.cache[key] = out
-        return out
+
+        def build() -> tuple[np.ndarray, np.ndarray]:
+            gen = self.initial_generator(runtime)
+            self.check_report_size(runtime, gen)
+            eps = p.eps
+            if shared is not None:
+                load_generator(gen, shared)
+                eps = float(np.asarray(shared.get(EPS, [p.eps])).reshape(-1)[0])
+            lo, hi = self.data_range(runtime)
+            keep = runtime.data.y_test != p.target_class
+            labels = np.full(int(keep.sum()), p.target_class, dtype=np.int64)
+            return triggered(gen, runtime.data.x_test[keep], eps, lo, hi), labels
+
+        # before any report the set is the same every round; a report's set is built each time
+        return build() if shared is not None else runtime.cached(("iba", "initial_test_set"), build)
 
     def check_report_size(self, runtime, gen: nn.Module) -> None:
         """The report must fit the server's bound on a reply (fedsim.wire): an error names generator_width."""

@@ -44,11 +44,12 @@ class PartitionPoisoner(ClientAttack):
     """An attacker that trains on its own partition, transformed by `poison`, and scales its update."""
 
     def training_set(self, runtime, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
-        key = (type(self).__name__, "train", partition_id)
-        if key not in runtime.cache:  # the same every round: poisoned samples are chosen once
+        def build() -> tuple[np.ndarray, np.ndarray]:
             idx = runtime.partitions[partition_id]
-            runtime.cache[key] = self.poison(runtime, partition_id, runtime.data.x_train[idx], runtime.data.y_train[idx])
-        return runtime.cache[key]
+            return self.poison(runtime, partition_id, runtime.data.x_train[idx], runtime.data.y_train[idx])
+
+        # the same every round: poisoned samples are chosen once
+        return runtime.cached((type(self).__name__, "train", partition_id), build)
 
     @abstractmethod
     def poison(self, runtime, partition_id: int, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,9 +145,7 @@ def trigger_value(runtime, value: float | None):
     """The stamped value: `value`, or each channel's largest training value (white after normalisation)."""
     if value is not None:
         return value
-    if ("pixel_max",) not in runtime.cache:
-        runtime.cache[("pixel_max",)] = runtime.data.x_train.max(axis=(0, 2, 3))
-    return runtime.cache[("pixel_max",)]
+    return runtime.cached(("trigger", "pixel_max"), lambda: runtime.data.x_train.max(axis=(0, 2, 3)))
 
 
 def choose_poisoned(n: int, fraction: float, seed: int, partition_id: int) -> np.ndarray:
@@ -279,10 +278,9 @@ class DistributedBackdoor(_PixelBackdoor):
         return self.params.poison_per_batch
 
     def pieces(self, runtime) -> np.ndarray:
-        if ("dba_pieces",) not in runtime.cache:
-            p = self.params
-            runtime.cache[("dba_pieces",)] = dba_pieces(image_hw(runtime), p.bar_rows, p.bar_cols, p.offset, p.num_pieces)
-        return runtime.cache[("dba_pieces",)]
+        p = self.params
+        return runtime.cached(("dba", "pieces"),
+                              lambda: dba_pieces(image_hw(runtime), p.bar_rows, p.bar_cols, p.offset, p.num_pieces))
 
     def piece_of(self, runtime, partition_id: int) -> int:
         if partition_id not in runtime.attackers:

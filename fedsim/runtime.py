@@ -2,7 +2,9 @@
 
 A Ray actor hosts many virtual clients: the runtime is cached per process by the scenario's
 content, so the dataset is loaded and partitioned once per worker, not once per client call.
-Everything here is read-only after construction except `cache`, which only memoises.
+Everything here is read-only after construction except `cache`, which only memoises, through
+`cached`: what the runtime and the attacks compute once per process (a dataset, a trigger's
+pieces, an attacker's poisoned rows).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import threading
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -27,17 +30,30 @@ from fedsim.scenario import scenario_dict
 from fedsim.seeding import TORCH_GLOBAL_RNG
 from fedsim.training import TrainConfig, train
 
+T = TypeVar("T")
+
 
 class Runtime:
     def __init__(self, scenario) -> None:
         self.scenario = scenario
         self.cache: dict = {}
 
+    def cached(self, key: tuple, make: Callable[[], T]) -> T:
+        """`make()` once per runtime, then the same object for the same `key`. A key is a tuple whose
+        first element names its owner (the runtime's own "dataset", "layout"...; an attack's
+        registry name, e.g. "iba"), then whatever the value depends on, so no two owners collide.
+        Not locked: two threads asking at once may both compute it, and keep one."""
+        if not isinstance(key, tuple) or not key or not isinstance(key[0], str):
+            raise TypeError(f"a runtime cache key is a tuple led by its owner's name, got {key!r}")
+        if key not in self.cache:
+            value = make()
+            self.cache.setdefault(key, value)
+        return self.cache[key]
+
     # --- data -------------------------------------------------------------------------------
     def load_dataset(self, name: str, spec=None) -> ArrayDataset:
         """Load a registered dataset (memoised). `spec` defaults to the dataset's default parameters."""
-        key = ("dataset", name, spec)
-        if key not in self.cache:
+        def build() -> ArrayDataset:
             entry = DATASETS.get(name)
             params = spec if spec is not None else entry.params()
             data_dir = None if name == "digits" else resolve_data_dir(self.scenario.data.dir)
@@ -52,9 +68,10 @@ class Runtime:
 
             disk_key = key_of(name, params.model_dump(mode="json"), folder_fingerprint(data_dir), versions())
             a = cached_arrays("dataset", disk_key, load)
-            self.cache[key] = ArrayDataset(name, a["x_train"], a["y_train"], a["x_test"], a["y_test"], int(a["num_classes"][0]),
-                                           groups=a.get("groups"))
-        return self.cache[key]
+            return ArrayDataset(name, a["x_train"], a["y_train"], a["x_test"], a["y_test"], int(a["num_classes"][0]),
+                                groups=a.get("groups"))
+
+        return self.cached(("dataset", name, spec), build)
 
     @functools.cached_property
     def data(self) -> ArrayDataset:
@@ -64,8 +81,7 @@ class Runtime:
     def local_data(self, path: str) -> tuple[np.ndarray, np.ndarray]:
         """A device's own training set (node config `local-data`), read once per process and cached
         on disk by its files' fingerprint, so a fresh ClientApp process does not decode it again."""
-        key = ("local-data", str(path))
-        if key not in self.cache:
+        def build() -> tuple[np.ndarray, np.ndarray]:
             facts = require_facts(self.scenario.data.dataset, path)
 
             def load() -> dict[str, np.ndarray]:
@@ -73,8 +89,9 @@ class Runtime:
                 return {"x": x, "y": y}
 
             a = cached_arrays("local-data", key_of(cache_parts(path, facts), versions()), load)
-            self.cache[key] = a["x"], a["y"]
-        return self.cache[key]
+            return a["x"], a["y"]
+
+        return self.cached(("local-data", str(path)), build)
 
     @functools.cached_property
     def partitions(self) -> list[np.ndarray]:
@@ -136,10 +153,7 @@ class Runtime:
     def layout_for(self, ranks: dict[str, int] | None) -> ModelLayout:
         if not ranks:
             return self.layout
-        key = ("layout", tuple(sorted(ranks.items())))
-        if key not in self.cache:
-            self.cache[key] = ModelLayout.of(self.build_model(ranks))
-        return self.cache[key]
+        return self.cached(("layout", tuple(sorted(ranks.items()))), lambda: ModelLayout.of(self.build_model(ranks)))
 
     def initial_weights(self) -> torch.Tensor:
         """The initial global model: seeded random init, then a checkpoint or central pre-training if configured."""

@@ -114,6 +114,22 @@ def test_trigger_target_must_be_a_class():
         rt.attack.backdoor_test_set(rt)
 
 
+def test_attacks_cache_through_the_runtime_once_per_key():
+    """`Runtime.cached`: computed once per key; keys are tuples led by their owner's name."""
+    rt = Runtime(scenario({"name": "trigger", "size": 2, "target_class": 3}))
+    calls = []
+    make = lambda: calls.append(1) or object()  # noqa: E731
+    first = rt.cached(("test", 1), make)
+    assert rt.cached(("test", 1), make) is first and len(calls) == 1
+    assert rt.cached(("test", 2), make) is not first and len(calls) == 2
+    for bad in ("test", (), (1, "test")):
+        with pytest.raises(TypeError, match="tuple led by its owner"):
+            rt.cached(bad, make)
+    x, _ = rt.attack.training_set(rt, 1)
+    assert rt.attack.training_set(rt, 1)[0] is x  # the poisoned set is made once
+    assert all(isinstance(k, tuple) and isinstance(k[0], str) for k in rt.cache)
+
+
 # --------------------------------------------------------------------------- DBA
 def fake_runtime(attackers, h=28, w=28, n=120, seed=0):
     """A runtime-like object with random 28x28 images (DBA's default geometry is for MNIST)."""
@@ -122,7 +138,9 @@ def fake_runtime(attackers, h=28, w=28, n=120, seed=0):
     y = rng.integers(0, 10, size=n).astype(np.int64)
     data = ArrayDataset("fake", x, y, x[:40].copy(), y[:40].copy(), num_classes=10)
     parts = np.array_split(rng.permutation(n), 10)
-    return SimpleNamespace(data=data, partitions=parts, attackers=sorted(attackers), scenario=SimpleNamespace(seed=seed), cache={})
+    rt = SimpleNamespace(data=data, partitions=parts, attackers=sorted(attackers), scenario=SimpleNamespace(seed=seed), cache={})
+    rt.cached = lambda key, make: Runtime.cached(rt, key, make)  # the runtime's own memo
+    return rt
 
 
 def global_trigger(rows=(0, 3), cols=((0, 3), (6, 9)), shape=(28, 28)):
