@@ -1,6 +1,6 @@
 """Attacks: client-side (run in the ClientApp) and server-side omniscient model poisoning."""
 
-from fedsim.attacks.base import AttackParams, ClientAttack, ServerAttack
+from fedsim.attacks.base import AttackParams, ClientAttack, Crafted, ServerAttack
 from fedsim.attacks import edge_case  # noqa: F401  (registers)
 from fedsim.attacks import byzantine  # noqa: F401  (registers)
 from fedsim.attacks import trigger  # noqa: F401  (registers)
@@ -14,4 +14,4 @@ from fedsim.attacks import neurotoxin  # noqa: F401  (registers)
 from fedsim.attacks import a3fl  # noqa: F401  (registers)
 from fedsim.attacks import alie_colluding  # noqa: F401  (registers)
 
-__all__ = ["AttackParams", "ClientAttack", "ServerAttack"]
+__all__ = ["AttackParams", "ClientAttack", "Crafted", "ServerAttack"]

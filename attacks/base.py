@@ -4,7 +4,7 @@
   (edge-case data, triggers, PGD, model replacement). They run inside the ClientApp.
 * Server-side omniscient model poisoning (`side = "server"`, simulation only) replaces the
   malicious clients' updates after seeing the honest ones, just before the defenses run:
-  `craft(honest [h, d], num_malicious, ctx) -> malicious [m, d]`.
+  `craft(honest [h, d], num_malicious, ctx) -> Crafted(rows [m, d], log)`.
 
 Every attack's parameter model extends `AttackParams`, which says who the attackers are and when
 they take part.
@@ -52,14 +52,23 @@ class Attack(ABC):
         return {}
 
 
+@dataclass(frozen=True)
+class Crafted:
+    """What a server-side attack made of one round: the malicious updates `rows` [m, d], and `log`,
+    the scalars it chose on the way (γ, z, λ, noise std...) for the round log."""
+
+    rows: torch.Tensor
+    log: dict = field(default_factory=dict)
+
+
 class ServerAttack(Attack):
     """Base of the omniscient model-poisoning attacks run by the simulated server (simulation only)."""
 
     side = "server"
 
     @abstractmethod
-    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
-        """The malicious updates `[num_malicious, d]` given the honest ones `[h, d]`."""
+    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> Crafted:
+        """The malicious updates `[num_malicious, d]` given the honest ones `[h, d]`, with what was chosen."""
 
 
 class AttackParams(Params):

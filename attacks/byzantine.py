@@ -6,7 +6,7 @@ here every attack uses all honest updates of the round. Statistics are taken in 
 result is cast back to the honest dtype. No attack learns the attacker's own honest update (the
 server never trains it), so those that need "the" honest update use the honest mean.
 
-After `craft`, `last_log` holds the scalars the attack chose (γ, z, noise std) for the round log.
+`craft` returns the malicious rows with the scalars the attack chose (γ, z, noise std) for the round log.
 """
 
 from __future__ import annotations
@@ -18,17 +18,13 @@ from typing import Callable, Literal
 import torch
 from pydantic import Field
 
-from fedsim.attacks.base import AttackParams, ServerAttack
+from fedsim.attacks.base import AttackParams, Crafted, ServerAttack
 from fedsim.registry import ATTACKS, Params
 from fedsim.updates import RoundContext
 
 
 class _Byzantine(ServerAttack):
     simulation_only = True
-
-    def __init__(self, params) -> None:
-        super().__init__(params)
-        self.last_log: dict = {}
 
 
 def _need_honest(honest: torch.Tensor, name: str) -> torch.Tensor:
@@ -64,15 +60,14 @@ class GaussianAttack(_Byzantine):
     norm of about σ times the typical honest norm.
     """
 
-    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
+    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> Crafted:
         d = honest.shape[1]
         std = float(self.params.sigma)
         if self.params.relative:
             std *= float(torch.linalg.vector_norm(_need_honest(honest, "gaussian"), dim=1).mean()) / math.sqrt(d)
-        self.last_log = {"noise_std": std}
         g = ctx.generator
         noise = torch.randn((num_malicious, d), generator=g, device=g.device, dtype=torch.float32)
-        return (noise * std).to(device=honest.device, dtype=honest.dtype)
+        return Crafted((noise * std).to(device=honest.device, dtype=honest.dtype), {"noise_std": std})
 
 
 class SignFlipParams(AttackParams):
@@ -87,9 +82,9 @@ class SignFlip(_Byzantine):
     honest mean stands in for it (all attackers then send the same vector).
     """
 
-    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
+    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> Crafted:
         mu = _need_honest(honest, "sign_flip").mean(dim=0)
-        return _repeat(-float(self.params.scale) * mu, num_malicious, honest)
+        return Crafted(_repeat(-float(self.params.scale) * mu, num_malicious, honest))
 
 
 class FactorSearch(Params):
@@ -173,13 +168,13 @@ class IPM(_Byzantine):
     Krum and a large one breaks the mean; the search finds the rule's own sweet spot."""
 
     def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext,
-              rule: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              rule: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Crafted:
         mu = _need_honest(honest, "ipm").mean(dim=0)
-        self.last_log = {}
+        log: dict = {}
         eps = _search_factor(honest, num_malicious, rule, self.params.search, float(self.params.epsilon),
-                             lambda e: -e * mu, self.last_log, "ipm")
-        self.last_log["epsilon"] = float(eps)
-        return _repeat(-eps * mu, num_malicious, honest)
+                             lambda e: -e * mu, log, "ipm")
+        log["epsilon"] = float(eps)
+        return Crafted(_repeat(-eps * mu, num_malicious, honest), log)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,17 +211,17 @@ class ALIE(_Byzantine):
     """
 
     def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext,
-              rule: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              rule: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Crafted:
         x = _need_honest(honest, "alie")
         mu, sigma = x.mean(dim=0), _std(x, self.params.unbiased)
-        self.last_log = {}
+        log: dict = {}
         fixed = self.params.z
         if fixed is None and self.params.search is None:
             fixed = alie_z_max(x.shape[0] + num_malicious, num_malicious)
         z = _search_factor(honest, num_malicious, rule, self.params.search, fixed if fixed is not None else 0.0,
-                           lambda f: mu + f * sigma, self.last_log, "alie")
-        self.last_log["z"] = float(z)
-        return _repeat(mu + z * sigma, num_malicious, honest)
+                           lambda f: mu + f * sigma, log, "alie")
+        log["z"] = float(z)
+        return Crafted(_repeat(mu + z * sigma, num_malicious, honest), log)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,7 +277,7 @@ class _AGRAgnostic(_Byzantine):
     def _ok(self, dist_to_m: torch.Tensor, pair_d2: torch.Tensor) -> bool:
         """Whether squared distances `dist_to_m` [h] from m pass the bound set by `pair_d2` [h, h]."""
 
-    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
+    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> Crafted:
         x = _need_honest(honest, type(self).__name__)
         mu = x.mean(dim=0)
         y = x - mu
@@ -296,8 +291,7 @@ class _AGRAgnostic(_Byzantine):
             return self._ok((gamma * gamma * a - 2.0 * gamma * b + sq).clamp(min=0.0), pair_d2)
 
         gamma = halving_search(ok, self.params.gamma_init, self.params.tolerance)
-        self.last_log = {"gamma": gamma}
-        return _repeat(mu + gamma * p, num_malicious, honest)
+        return Crafted(_repeat(mu + gamma * p, num_malicious, honest), {"gamma": gamma})
 
 
 @ATTACKS.register("min_max", AGRAgnosticParams)

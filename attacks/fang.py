@@ -25,7 +25,7 @@ from pydantic import Field
 
 from fedsim.aggregators.distances import pairwise_sq_distances
 from fedsim.aggregators.krum import scores_from_distances
-from fedsim.attacks.base import AttackParams
+from fedsim.attacks.base import AttackParams, Crafted
 from fedsim.attacks.byzantine import _Byzantine, _need_honest
 from fedsim.registry import ATTACKS
 from fedsim.updates import RoundContext
@@ -118,12 +118,12 @@ class FangKrum(_Byzantine):
     FLDetector at 0.25 in gradient units, FLPoison at 1.0, the NDSS'21 code at the bound.
     """
 
-    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
+    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> Crafted:
         x = _need_honest(honest, "fang_krum")
         h, d = x.shape
         c = num_malicious
         if c == 0:
-            return honest.new_zeros((0, d))
+            return Crafted(honest.new_zeros((0, d)))
         n = h + c
         f = c if self.params.krum_f is None else self.params.krum_f
         s = torch.sign(x.mean(dim=0))
@@ -145,8 +145,8 @@ class FangKrum(_Byzantine):
             if selected or lam < self.params.stop_threshold:
                 break
             lam /= 2.0
-        self.last_log = {"lambda": lam, "selected": selected, "halvings": tried - 1}
-        return (-lam * s[None, :] + offsets).to(honest.dtype)
+        log = {"lambda": lam, "selected": selected, "halvings": tried - 1}
+        return Crafted((-lam * s[None, :] + offsets).to(honest.dtype), log)
 
 
 # ---------------------------------------------------------------------------------- trimmed mean
@@ -172,7 +172,7 @@ class FangTrim(_Byzantine):
     sample" in the interval). Where s_j = 0 the FLTrust code sends 0, and so does this.
     """
 
-    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> torch.Tensor:
+    def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext) -> Crafted:
         x = _need_honest(honest, "fang_trim")
         d = x.shape[1]
         s = torch.sign(x.mean(dim=0))
@@ -181,4 +181,4 @@ class FangTrim(_Byzantine):
         # same sign as the direction: shrink towards 0 (divide by r); opposite sign: grow away from 0 (times r)
         shrink = (s * extreme > 0)[None, :]
         out = torch.where(shrink, extreme[None, :] / r, extreme[None, :] * r)
-        return out.to(honest.dtype)
+        return Crafted(out.to(honest.dtype))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from fedsim.attacks.base import AttackParams
+from fedsim.attacks.base import AttackParams, Crafted
 from fedsim.attacks.byzantine import _Byzantine, _need_honest
 from fedsim.registry import ATTACKS
 from fedsim.updates import RoundContext
@@ -74,7 +74,7 @@ class Mimic(_Byzantine):
 
     # --- one round -------------------------------------------------------------------------------
     def craft(self, honest: torch.Tensor, num_malicious: int, ctx: RoundContext,
-              honest_ids: tuple[int, ...] | None = None) -> torch.Tensor:
+              honest_ids: tuple[int, ...] | None = None) -> Crafted:
         """`honest_ids`: the honest rows' client ids (the pipeline passes them); by default the row
         numbers, which name the same clients every round only when all clients take part."""
         x = _need_honest(honest, "mimic")
@@ -96,9 +96,9 @@ class Mimic(_Byzantine):
             else:
                 row, fallback = int(torch.argmax(x @ z)), True
         self.t += 1
-        self.last_log = {"mimicked": ids[row], "target": self.target, "warmup_left": max(self.params.warmup - self.t, 0),
-                         "fallback": fallback}
-        return honest[row].unsqueeze(0).expand(num_malicious, -1).clone()
+        log = {"mimicked": ids[row], "target": self.target, "warmup_left": max(self.params.warmup - self.t, 0),
+               "fallback": fallback}
+        return Crafted(honest[row].unsqueeze(0).expand(num_malicious, -1).clone(), log)
 
     def _update_direction(self, x: torch.Tensor, ctx: RoundContext) -> torch.Tensor:
         """One warm-up step of the official code's online estimate of μ and z (float64 here, kept as float32)."""

@@ -100,8 +100,9 @@ def test_fang_krum_is_selected_by_krum_in_the_papers_setting():
     updates = digits_updates(100)
     honest = updates[:80]
     attack = FangKrum(FangKrumParams())
-    mal = attack.craft(honest, 20, make_ctx(honest.shape[1], seed=5))
-    lam, log = attack.last_log["lambda"], attack.last_log
+    crafted = attack.craft(honest, 20, make_ctx(honest.shape[1], seed=5))
+    mal, log = crafted.rows, crafted.log
+    lam = log["lambda"]
     assert log["selected"] is True and mal.shape == (20, honest.shape[1]) and mal.dtype == honest.dtype
 
     x = honest.double().numpy()
@@ -124,16 +125,18 @@ def test_fang_krum_with_exact_copies_and_an_explicit_krum_f():
     rng = np.random.default_rng(11)
     honest = torch.from_numpy((0.2 * rng.normal(size=(12, 50)) + 0.05).astype(np.float32))
     attack = FangKrum(FangKrumParams(epsilon=0.0, krum_f=3))
-    mal = attack.craft(honest, 3, make_ctx(50))
-    assert (mal == mal[0]).all() and attack.last_log["selected"]
+    crafted = attack.craft(honest, 3, make_ctx(50))
+    mal = crafted.rows
+    assert (mal == mal[0]).all() and crafted.log["selected"]
     assert np_krum_pick(np.concatenate([honest.double().numpy(), mal.double().numpy()]), 3) >= 12
 
 
 def test_fang_krum_round_too_small_for_krum_ends_at_the_stop_threshold():
     honest = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
     attack = FangKrum(FangKrumParams(stop_threshold=1e-3))
-    mal = attack.craft(honest, 2, make_ctx(20))  # n = 5 < 2f + 3 = 7: Krum cannot score
-    assert attack.last_log["selected"] is False and attack.last_log["lambda"] < 1e-3
+    crafted = attack.craft(honest, 2, make_ctx(20))  # n = 5 < 2f + 3 = 7: Krum cannot score
+    mal = crafted.rows
+    assert crafted.log["selected"] is False and crafted.log["lambda"] < 1e-3
     assert torch.isfinite(mal).all()
 
 
@@ -146,7 +149,7 @@ def test_fang_trim_values_lie_past_the_honest_range_opposite_the_honest_directio
     honest = torch.randn(10, 400, generator=g) + 0.5 * torch.randn(400, generator=g)
     honest[:, :5] = 0.0  # untouched parameters: s = 0, everyone sends 0
     attack = FangTrim(FangTrimParams(b=b))
-    mal = attack.craft(honest, 4, make_ctx(400, seed=9)).double()
+    mal = attack.craft(honest, 4, make_ctx(400, seed=9)).rows.double()
     x = honest.double()
     s, lo, hi = torch.sign(x.mean(0)), x.min(0).values, x.max(0).values
     up, down = s > 0, s < 0
@@ -157,8 +160,8 @@ def test_fang_trim_values_lie_past_the_honest_range_opposite_the_honest_directio
     hi_ok = torch.where(hi > 0, mal <= b * hi + 1e-12, mal <= hi / b + 1e-12)
     assert lo_ok[:, up].all() and hi_ok[:, down].all()
     assert len(torch.unique(mal[:, up][:, 0])) == 4  # each attacker its own draw
-    again = attack.craft(honest, 4, make_ctx(400, seed=9)).double()
-    other = attack.craft(honest, 4, make_ctx(400, seed=10)).double()
+    again = attack.craft(honest, 4, make_ctx(400, seed=9)).rows.double()
+    other = attack.craft(honest, 4, make_ctx(400, seed=10)).rows.double()
     assert torch.equal(mal, again) and not torch.equal(mal, other)
 
 
@@ -175,7 +178,7 @@ def test_fang_trim_moves_median_and_trimmed_mean_further_than_alie_and_ipm():
         mean = honest.mean(0)
         shift = {}
         for name, attack in (("fang", FangTrim(FangTrimParams())), ("alie", ALIE(ALIEParams())), ("ipm", IPM(IPMParams(epsilon=0.1)))):
-            rows = torch.cat([honest, attack.craft(honest, 4, make_ctx(d, seed))])
+            rows = torch.cat([honest, attack.craft(honest, 4, make_ctx(d, seed)).rows])
             w = torch.ones(20)
             shift[name] = [float((median(rows, w) - mean).norm()), float((trimmed_mean(rows, w, num_trim=4) - mean).norm())]
         for rule in (0, 1):
@@ -226,7 +229,7 @@ def test_mimic_follows_the_official_recurrence_and_choice():
     attack = Mimic(MimicParams(warmup=4))
     sent = []
     for t, x in enumerate(rounds):
-        out = attack.craft(x, 3, make_ctx(30, seed=100 + t))
+        out = attack.craft(x, 3, make_ctx(30, seed=100 + t)).rows
         assert out.shape == (3, 30) and (out == out[0]).all()
         sent.append(int(torch.nonzero((x == out[0]).all(dim=1))[0]))
         if t == 3:
@@ -243,22 +246,22 @@ def test_mimic_chosen_client_maximises_the_projection_and_is_followed_by_id():
     attack = Mimic(MimicParams(warmup=3))
     ids = tuple(range(20, 30))
     for t, x in enumerate(rounds):
-        attack.craft(x, 2, make_ctx(40, seed=t), honest_ids=ids)
+        crafted = attack.craft(x, 2, make_ctx(40, seed=t), honest_ids=ids)
     x, z, mu = rounds[-1].double(), attack.z.double(), attack.mu.double()
     brute = max(range(10), key=lambda i: float((x[i] - mu) @ z))  # argmax of ⟨x_i − μ, z⟩, client by client
-    assert attack.target == ids[brute] and attack.last_log["mimicked"] == ids[brute]
+    assert attack.target == ids[brute] and crafted.log["mimicked"] == ids[brute]
 
     # after the warm-up: the same client, wherever its row is, even where it is not extreme
     later = torch.randn(10, 40, generator=torch.Generator().manual_seed(7))
     shuffled = (29, 21, 20, 22, 23, 24, 25, 26, 27, 28)
     row = shuffled.index(attack.target)
-    out = attack.craft(later, 3, make_ctx(40, seed=8), honest_ids=shuffled)
-    assert torch.equal(out, later[row].expand(3, -1)) and attack.last_log["fallback"] is False
+    crafted = attack.craft(later, 3, make_ctx(40, seed=8), honest_ids=shuffled)
+    assert torch.equal(crafted.rows, later[row].expand(3, -1)) and crafted.log["fallback"] is False
     # that client not sampled this round: this round's extreme along z stands in, the target stays
     absent = tuple(i for i in range(40, 50))
-    out = attack.craft(later, 2, make_ctx(40, seed=9), honest_ids=absent)
+    crafted = attack.craft(later, 2, make_ctx(40, seed=9), honest_ids=absent)
     best = int(torch.argmax(later.double() @ attack.z.double()))
-    assert torch.equal(out[0], later[best]) and attack.last_log["fallback"] is True and attack.target == ids[brute]
+    assert torch.equal(crafted.rows[0], later[best]) and crafted.log["fallback"] is True and attack.target == ids[brute]
 
 
 def test_mimic_direction_converges_to_the_top_principal_direction():

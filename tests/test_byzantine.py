@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedsim.attacks.base import Crafted
 from fedsim.attacks.byzantine import (
     ALIE,
     IPM,
@@ -38,14 +39,14 @@ HONEST = torch.tensor([[1.0, 2.0, -4.0], [3.0, 4.0, 0.0]])  # mean [2, 3, -2]
 
 
 def test_ipm_by_hand():
-    out = IPM(IPMParams(epsilon=0.1)).craft(HONEST, 3, make_ctx(3))
+    out = IPM(IPMParams(epsilon=0.1)).craft(HONEST, 3, make_ctx(3)).rows
     torch.testing.assert_close(out, torch.tensor([[-0.2, -0.3, 0.2]] * 3))
 
 
 def test_sign_flip_by_hand():
-    out = SignFlip(SignFlipParams(scale=100.0)).craft(HONEST, 2, make_ctx(3))
+    out = SignFlip(SignFlipParams(scale=100.0)).craft(HONEST, 2, make_ctx(3)).rows
     torch.testing.assert_close(out, torch.tensor([[-200.0, -300.0, 200.0]] * 2))
-    assert SignFlip(SignFlipParams()).craft(HONEST, 0, make_ctx(3)).shape == (0, 3)
+    assert SignFlip(SignFlipParams()).craft(HONEST, 0, make_ctx(3)).rows.shape == (0, 3)
     assert SignFlip.simulation_only is True
 
 
@@ -76,15 +77,16 @@ def test_alie_is_mean_plus_z_std_per_coordinate(unbiased, ddof):
     rng = np.random.default_rng(0)
     honest = rng.normal(size=(40, 25)).astype(np.float32)
     attack = ALIE(ALIEParams(unbiased=unbiased))
-    out = attack.craft(torch.from_numpy(honest), 10, make_ctx(25)).numpy()
+    crafted = attack.craft(torch.from_numpy(honest), 10, make_ctx(25))
+    out = crafted.rows.numpy()
     z = NormalDist().inv_cdf((50 - 16) / 50)
     h64 = honest.astype(np.float64)
     expected = h64.mean(axis=0) + z * h64.std(axis=0, ddof=ddof)
     assert out.shape == (10, 25) and (out == out[0]).all()
     np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-6)
-    assert attack.last_log["z"] == pytest.approx(z)
+    assert crafted.log["z"] == pytest.approx(z)
 
-    fixed = ALIE(ALIEParams(z=1.0)).craft(torch.from_numpy(honest), 2, make_ctx(25)).numpy()
+    fixed = ALIE(ALIEParams(z=1.0)).craft(torch.from_numpy(honest), 2, make_ctx(25)).rows.numpy()
     np.testing.assert_allclose(fixed[1], h64.mean(axis=0) + h64.std(axis=0, ddof=1), rtol=1e-5, atol=1e-6)
 
 
@@ -123,8 +125,8 @@ def test_agr_agnostic_gamma_is_maximal(rule, cls, kind):
     x = (0.3 * rng.normal(size=(9, 30)) + rng.normal(size=(1, 30))).astype(np.float32)
     tol = 1e-5
     attack = cls(AGRAgnosticParams(perturbation=kind, gamma_init=10.0, tolerance=tol))
-    out = attack.craft(torch.from_numpy(x), 4, make_ctx(30)).numpy()
-    gamma = attack.last_log["gamma"]
+    crafted = attack.craft(torch.from_numpy(x), 4, make_ctx(30))
+    out, gamma = crafted.rows.numpy(), crafted.log["gamma"]
 
     x64 = x.astype(np.float64)
     p = np_perturbation(x64, kind)
@@ -141,9 +143,7 @@ def test_min_sum_is_stricter_than_min_max():
     rng = np.random.default_rng(7)
     x = torch.from_numpy(rng.normal(size=(10, 20)).astype(np.float32))
     mm, ms = MinMax(AGRAgnosticParams()), MinSum(AGRAgnosticParams())
-    mm.craft(x, 2, make_ctx(20))
-    ms.craft(x, 2, make_ctx(20))
-    assert ms.last_log["gamma"] < mm.last_log["gamma"]
+    assert ms.craft(x, 2, make_ctx(20)).log["gamma"] < mm.craft(x, 2, make_ctx(20)).log["gamma"]
 
 
 def test_halving_search_brackets_the_threshold():
@@ -161,16 +161,17 @@ def test_gaussian_is_deterministic_per_seed_and_relative_to_honest_norm():
     d = 20_000
     honest = torch.randn(6, d, generator=torch.Generator().manual_seed(1)) * 0.01
     attack = GaussianAttack(GaussianParams(sigma=2.0))
-    a = attack.craft(honest, 3, make_ctx(d, seed=4))
-    b = attack.craft(honest, 3, make_ctx(d, seed=4))
-    c = attack.craft(honest, 3, make_ctx(d, seed=5))
+    crafted = attack.craft(honest, 3, make_ctx(d, seed=4))
+    a = crafted.rows
+    b = attack.craft(honest, 3, make_ctx(d, seed=4)).rows
+    c = attack.craft(honest, 3, make_ctx(d, seed=5)).rows
     assert torch.equal(a, b) and not torch.equal(a, c)
     mean_norm = honest.norm(dim=1).mean().item()
-    assert attack.last_log["noise_std"] == pytest.approx(2.0 * mean_norm / math.sqrt(d), rel=1e-6)
+    assert crafted.log["noise_std"] == pytest.approx(2.0 * mean_norm / math.sqrt(d), rel=1e-6)
     # ||N(0, s² I_d)|| concentrates at s·sqrt(d) with sd ≈ s/sqrt(2); 1% is far beyond 6 sd here
     np.testing.assert_allclose(a.norm(dim=1).numpy(), 2.0 * mean_norm, rtol=0.01)
 
-    absolute = GaussianAttack(GaussianParams(sigma=0.5, relative=False)).craft(honest, 2, make_ctx(d))
+    absolute = GaussianAttack(GaussianParams(sigma=0.5, relative=False)).craft(honest, 2, make_ctx(d)).rows
     assert absolute.double().std().item() == pytest.approx(0.5, rel=0.02)
 
 
@@ -182,7 +183,8 @@ def test_every_server_attack_runs_from_defaults(name):
     entry = ATTACKS.get(name)
     honest = torch.randn(8, 30, generator=torch.Generator().manual_seed(12))
     attack = entry.obj(entry.params())
-    mal = attack.craft(honest, 3, make_ctx(30))
-    again = entry.obj(entry.params()).craft(honest, 3, make_ctx(30))
+    crafted = attack.craft(honest, 3, make_ctx(30))
+    mal, again = crafted.rows, entry.obj(entry.params()).craft(honest, 3, make_ctx(30)).rows
+    assert isinstance(crafted, Crafted) and isinstance(crafted.log, dict)
     assert mal.shape == (3, 30) and mal.dtype == honest.dtype and torch.isfinite(mal).all()
     assert torch.equal(mal, again)

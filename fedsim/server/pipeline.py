@@ -153,11 +153,12 @@ class RoundPipeline:
                 finally:
                     ctx.generator.set_state(seeded)
             kwargs["rule"] = rule
-        updates[bad] = self.attack.craft(batch.updates[~bad], int(bad.sum()), ctx, **kwargs)
+        made = self.attack.craft(batch.updates[~bad], int(bad.sum()), ctx, **kwargs)
+        updates[bad] = made.rows
         if out is not None:
             norms = torch.linalg.vector_norm(updates[bad], dim=1).tolist()
             crafted = [pid for pid, b in zip(batch.client_ids, bad.tolist()) if b]
-            out.attack = {**getattr(self.attack, "last_log", {}), "norms": dict(zip(crafted, norms))}
+            out.attack = {**made.log, "norms": dict(zip(crafted, norms))}
         return batch.with_updates(updates)
 
     def aggregate(self, batch: UpdateBatch, groups: list[list[int]] | None, out: RoundOutcome,
