@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.client.app import make_client_app
-from fedsim.engine.local_grid import LocalGrid
+from conftest import run_local
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.runs.sweep import expand, run_sweep, sweep_dir
-from fedsim.server.app import run_server
 from fedsim.server.record import without_times
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,8 +47,7 @@ def local_runner(started=None, fail=None):
             started.append(scenario.name)
         if fail is not None and scenario.name == fail:
             raise RuntimeError(f"{fail} failed")
-        grid = LocalGrid(make_client_app(scenario, RunFolder(run_dir).client_states), scenario.federation.num_clients)
-        run_server(grid, scenario, run_dir, checkpoints=True)
+        run_local(scenario, RunFolder(run_dir), checkpoints=True, client_states=True)
     return runner
 
 

@@ -6,15 +6,13 @@ import json
 
 import pytest
 
+from conftest import run_local
 from fedsim.server.record import without_times
-from fedsim.client.app import make_client_app
 from fedsim.runs.report import find_runs, markdown_table, write_report
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError
-from fedsim.server.app import run_server
 from fedsim.runs.sweep import expand, run_sweep, sweep_dir
-from fedsim.engine.local_grid import LocalGrid
 
 SWEEP = """
 base: {quickstart}
@@ -41,8 +39,7 @@ def local_runner(kill=None):
         def progress(record):
             if kill is not None and kill(scenario, record):
                 raise KeyboardInterrupt
-        grid = LocalGrid(make_client_app(scenario, RunFolder(run_dir).client_states), scenario.federation.num_clients)
-        run_server(grid, scenario, run_dir, progress, checkpoints=True)
+        run_local(scenario, RunFolder(run_dir), progress=progress, checkpoints=True, client_states=True)
     return runner
 
 
