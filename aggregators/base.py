@@ -23,25 +23,30 @@ def check_inputs(updates: torch.Tensor, weights: torch.Tensor) -> None:
 
 
 def vector_rule_names() -> list[str]:
-    """Registered aggregators that are `[n, d] -> [d]` rules (FedMA's layer-wise protocol is not)."""
+    """Registered aggregators: every one is an `[n, d] -> [d]` rule (protocols such as FedMA are
+    registered as protocols, not here)."""
     from fedsim.registry import AGGREGATORS
 
-    return [n for n in AGGREGATORS.names() if AGGREGATORS.get(n).capability("protocol") is None]
+    return AGGREGATORS.names()
 
 
-def run_inner(spec, rows: torch.Tensor, weights: torch.Tensor, ctx) -> tuple[torch.Tensor, dict | None]:
-    """A nested rule's aggregate of `rows` and its report (by row of `rows`) if it gives one. A rule
-    declared `with_context` gets `ctx`, as the server's pipeline would give it (wrappers and DETOX)."""
+def call_rule(spec, updates: torch.Tensor, weights: torch.Tensor, ctx=None,
+              groups: list[list[int]] | None = None) -> tuple[torch.Tensor, dict | None]:
+    """The one way a rule is called: with its YAML parameters, plus the round's context when it
+    declared `with_context` and the groups (by row) when it declared `needs_groups`. Returns its
+    aggregate and, for a rule declared `with_info`, its report by row (else None). The server's
+    pipeline, DETOX's and the wrappers' inner rules, benchmarks and tests all come through here."""
     from fedsim.registry import AGGREGATORS, component_kwargs
 
     entry = AGGREGATORS.get(spec.name)
     kwargs = component_kwargs(spec)
-    if entry.capability("with_context", False):
+    if entry.traits.with_context:
         kwargs["ctx"] = ctx
-    with_info = entry.capability("with_info")
-    if with_info is None:
-        return entry.obj(rows, weights, **kwargs), None
-    return with_info(rows, weights, **kwargs)
+    if entry.traits.needs_groups:
+        kwargs["groups"] = groups if groups is not None else [[i] for i in range(updates.shape[0])]
+    if entry.traits.with_info is None:
+        return entry.obj(updates, weights, **kwargs), None
+    return entry.traits.with_info(updates, weights, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)

@@ -48,8 +48,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field, SerializeAsAny, field_validator
 
-from fedsim.aggregators.base import AggregationError, check_inputs, parse_nested_rule, run_inner, vector_rule_names
-from fedsim.registry import AGGREGATORS, Params
+from fedsim.aggregators.base import AggregationError, check_inputs, parse_nested_rule, call_rule, vector_rule_names
+from fedsim.registry import AGGREGATORS, PROTOCOLS, Params
 
 DEFAULT_INNER = "multikrum"
 
@@ -158,12 +158,16 @@ def parse_inner(value: Any) -> BaseModel:
     as for the scenario's own component sections.
     """
     def why_not(name: str) -> str:
-        if name in AGGREGATORS and AGGREGATORS.get(name).capability("top_level_only", False):
+        if name in AGGREGATORS and AGGREGATORS.get(name).traits.top_level_only:
             return f"{name} runs only as the scenario's own aggregator, not nested"
-        return {"detox": "detox cannot nest itself", "fedma": "fedma is not an [n, d] rule"}.get(
-            name, f"unknown inner aggregator {name!r}")
+        if name in AGGREGATORS and AGGREGATORS.get(name).traits.needs_groups:
+            return f"{name} cannot nest itself: a group rule forms its own groups"
+        if name in PROTOCOLS:
+            return f"{name} is a round protocol, not an [n, d] rule"
+        return f"unknown inner aggregator {name!r}"
 
-    allowed = [n for n in vector_rule_names() if n != "detox" and not AGGREGATORS.get(n).capability("top_level_only", False)]
+    allowed = [n for n in vector_rule_names() if not AGGREGATORS.get(n).traits.needs_groups
+               and not AGGREGATORS.get(n).traits.top_level_only]
     return parse_nested_rule(value, DEFAULT_INNER, allowed, why_not)
 
 
@@ -290,7 +294,7 @@ def detox_with_info(
         groups=len(groups), surviving_groups=survivors, inner_inputs=rows.shape[0], inner=spec.name
     )
     try:
-        out = run_inner(spec, rows, row_weights, ctx)[0]
+        out = call_rule(spec, rows, row_weights, ctx)[0]
     except AggregationError as err:
         raise AggregationError(
             f"detox: inner rule {spec.name} failed on {rows.shape[0]} inputs from {survivors} surviving "
@@ -300,7 +304,18 @@ def detox_with_info(
 
 
 # The strategy forms the groups (and gives members the same data) and logs the vote.
-@AGGREGATORS.register("detox", DetoxParams, needs_groups=True, with_info=detox_with_info, with_context=True)
+def secure_groups(spec) -> tuple[str, str, Any] | None:
+    """Under secure aggregation each group is securely summed on its own, so the vote (which compares
+    the members' updates) cannot run: only `redundancy: false` fits (field, why, value)."""
+    if spec.redundancy:
+        return ("aggregator.redundancy", "DETOX's majority vote compares the group members' individual updates. Set "
+                "redundancy: false: each group is then securely aggregated and the inner rule runs across the group "
+                "means", True)
+    return None
+
+
+@AGGREGATORS.register("detox", DetoxParams, needs_groups=True, with_info=detox_with_info, with_context=True,
+                      secure_sum=secure_groups)
 def detox(updates: torch.Tensor, weights: torch.Tensor, **params: Any) -> torch.Tensor:
     """DETOX: majority vote inside redundant client groups, then a robust rule across groups."""
     return detox_with_info(updates, weights, **params)[0]

@@ -12,7 +12,12 @@ class FedAvgParams(Params):
     pass
 
 
-@AGGREGATORS.register("fedavg", FedAvgParams)
+def secure_mean(spec) -> None:
+    """The weighted mean is exactly what a secure (weighted) sum computes: never a problem."""
+    return None
+
+
+@AGGREGATORS.register("fedavg", FedAvgParams, secure_sum=secure_mean, weighted_mean=True)
 def fedavg(updates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted mean of the updates by example count (McMahan et al. 2017)."""
     check_inputs(updates, weights)

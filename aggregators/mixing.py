@@ -46,7 +46,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, SerializeAsAny
 
-from fedsim.aggregators.base import AggregationError, check_inputs, parse_nested_rule, run_inner, vector_rule_names
+from fedsim.aggregators.base import AggregationError, check_inputs, parse_nested_rule, call_rule, vector_rule_names
 from fedsim.aggregators.distances import pairwise_sq_distances
 from fedsim.registry import AGGREGATORS, Params
 from fedsim.updates import RoundContext
@@ -62,7 +62,7 @@ def inner_rule_names() -> list[str]:
     """Registered [n, d] rules that can run on mixed updates (not those that need client groups)."""
     def nestable(name: str) -> bool:
         entry = AGGREGATORS.get(name)
-        return not entry.capability("needs_groups", False) and not entry.capability("top_level_only", False)
+        return not entry.traits.needs_groups and not entry.traits.top_level_only
 
     return [n for n in vector_rule_names() if nestable(n)]
 
@@ -156,7 +156,7 @@ def bucketing_with_info(
     bucket = bucket_of_rows(n, s, generator)
     means, totals = bucket_means(updates, weights, bucket, count)
     try:
-        out, inner_info = run_inner(spec, means, totals, ctx)
+        out, inner_info = call_rule(spec, means, totals, ctx)
     except AggregationError as err:
         raise AggregationError(f"bucketing: inner rule {spec.name} failed on {count} bucket means of s={s}: {err}") from err
     members = [[] for _ in range(count)]
@@ -222,7 +222,7 @@ def nnm_with_info(
     mixed, neighbours = nnm_mix(updates, num_malicious)
     n = updates.shape[0]
     try:
-        out, inner_info = run_inner(spec, mixed, weights, ctx)
+        out, inner_info = call_rule(spec, mixed, weights, ctx)
     except AggregationError as err:
         raise AggregationError(f"nnm: inner rule {spec.name} failed on {n} mixed updates: {err}") from err
     return out, wrapper_info(spec, inner_info, neighbours.tolist(), n)

@@ -101,10 +101,10 @@ def cached_director(runtime, spec: GreekDirectorEdge) -> EdgeSet:
     from fedsim.runtime import versions
 
     ds = runtime.scenario.data.dataset
-    if ds.name != "sentiment140" or getattr(ds, "director_edge", None) is None:
+    if getattr(ds, "director_edge", None) is None:  # only a dataset with that parameter can build the set
         raise ValueError("edge_set greek_director needs data.dataset = {name: sentiment140, director_edge: {...}}: the "
                          "director_edge parameter builds the edge tweets and takes them out of the honest clients' data "
-                         f"(got dataset {ds.name!r}" + ("" if ds.name != "sentiment140" else " without director_edge") + ")")
+                         f"(got dataset {ds.name!r}" + (" without director_edge" if hasattr(ds, "director_edge") else "") + ")")
     data_dir = resolve_data_dir(runtime.scenario.data.dir)
     key = key_of("greek-director", ds.model_dump(mode="json"), folder_fingerprint(data_dir), versions())
     a = cached_arrays("director-set", key, lambda: load_director_edge(data_dir, ds))

@@ -22,7 +22,7 @@ _HERE = Path(__file__).resolve().parent
 
 import torch  # noqa: E402
 
-from fedsim.aggregators.base import vector_rule_names  # noqa: E402
+from fedsim.aggregators.base import call_rule, vector_rule_names  # noqa: E402
 from fedsim.aggregators.krum import scores_from_distances  # noqa: E402
 from fedsim.models.layout import ModelLayout  # noqa: E402
 from fedsim.registry import AGGREGATORS, DEFENSES  # noqa: E402
@@ -30,7 +30,7 @@ from fedsim.server.tools import GivenServerUpdate  # noqa: E402
 from fedsim.updates import RoundContext, UpdateBatch  # noqa: E402
 
 # Rules that take any batch of updates (DETOX needs redundant groups: benchmarks/detox.py).
-RULES = tuple(n for n in vector_rule_names() if not AGGREGATORS.get(n).capability("needs_groups", False))
+RULES = tuple(n for n in vector_rule_names() if not AGGREGATORS.get(n).traits.needs_groups)
 # Defenses that need nothing but the updates (DeepSight and CRFL's certification run models).
 DEFENSE_NAMES = ("norm_clipping", "weak_dp", "flame", "foolsgold", "rlr", "freqfed", "fldetector")
 
@@ -42,11 +42,11 @@ def context(updates: torch.Tensor, rnd: int = 1) -> RoundContext:
                         previous_aggregate=updates.mean(dim=0), tools=GivenServerUpdate(updates.mean(dim=0)))
 
 
-def rule_call(entry, updates, weights):
-    params = entry.params().model_dump()
-    if entry.capability("with_context", False):
-        params["ctx"] = context(updates)
-    return lambda: entry.obj(updates, weights, **params)
+def rule_call(entry, updates, weights, ctx=None):
+    """The rule with its default parameters, called as the server calls it (`call_rule`)."""
+    spec = entry.spec_model()(name=entry.name)
+    ctx = ctx if ctx is not None else context(updates)
+    return lambda: call_rule(spec, updates, weights, ctx)
 
 
 def defense_call(name, updates, weights):

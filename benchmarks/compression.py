@@ -25,7 +25,7 @@ _HERE = Path(__file__).resolve().parent
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.app import RecordDict  # noqa: E402
-from fedsim.engine.flower_compat import recorddict_size  # noqa: E402
+from fedsim.flower.compat import recorddict_size  # noqa: E402
 
 from fedsim.models.layout import ModelLayout  # noqa: E402
 from fedsim.registry import COMPRESSORS, MODELS  # noqa: E402
@@ -92,7 +92,7 @@ def measure(codec, layout: ModelLayout, delta: torch.Tensor, repeats: int) -> di
 
 
 def quickstart_accuracy(name: str, params: dict, rounds: int) -> tuple[float, float | None, int]:
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
 
     from fedsim.client.app import make_client_app
     from fedsim.runs.folder import RunFolder

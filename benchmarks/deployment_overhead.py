@@ -242,7 +242,7 @@ def in_process(args) -> dict:
     """The same scenario on an in-process grid: the compute a round needs, without any engine."""
     import logging
 
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
 
     from fedsim.client.app import make_client_app
     from fedsim.runs.folder import RunFolder

@@ -209,10 +209,7 @@ def rule_call(name, updates, weights):
     entry = AGGREGATORS.get(name)
     if updates.device.type == "cpu":
         return bench.rule_call(entry, updates, weights)
-    params = entry.params().model_dump()
-    if entry.capability("with_context", False):
-        params["ctx"] = on_device(bench.context(updates), updates.device)
-    return lambda: entry.obj(updates, weights, **params)
+    return bench.rule_call(entry, updates, weights, on_device(bench.context(updates), updates.device))
 
 
 def defense_call(name, updates, weights):

@@ -58,7 +58,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 import fedsim.engine.simulate  # noqa: E402,F401  (sets Flower/Ray environment defaults before they are imported)
-from fedsim.engine.options import EngineOptions  # noqa: E402
+from fedsim.flower.options import EngineOptions  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
@@ -294,7 +294,7 @@ SCENARIO_LEVERS = {
 
 
 # Levers that turn one engine option off, to measure what it buys (--disable NAME): what each does,
-# and the EngineOptions field (fedsim/engine/options.py) with its value when off.
+# and the EngineOptions field (fedsim/flower/options.py) with its value when off.
 LEVERS = {
     "compact-app": ("ClientApp pickled as the scenario's JSON, not by value, with every message", None),
     "overlap": ("evaluation of round t on one thread beside round t+1's training (evaluation.overlap)",

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from fedsim.client.app import make_client_app  # noqa: E402
-from fedsim.engine.local_grid import StageDropGrid  # noqa: E402
+from fedsim.flower.local_grid import StageDropGrid  # noqa: E402
 from fedsim.runs.folder import RunFolder  # noqa: E402
 from fedsim.runs.results import read_rounds  # noqa: E402
 from fedsim.runtime import runtime_for  # noqa: E402

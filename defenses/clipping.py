@@ -50,7 +50,8 @@ class NormClippingParams(Params):
     adaptive: bool = Field(False, description="use δ = mean of this round's update norms instead (OOD_FL's experimental variant)")
 
 
-@DEFENSES.register("norm_clipping", NormClippingParams)
+@DEFENSES.register("norm_clipping", NormClippingParams,
+                   secure_alternative="secure_aggregation.clip_norm: clients clip before masking")
 class NormClipping(Defense):
     """Norm-difference clipping: scale each update to L2 norm at most δ (Sun et al. 2019)."""
 

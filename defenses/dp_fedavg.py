@@ -45,7 +45,7 @@ from fedsim.aggregators.base import AggregationError
 from fedsim.defenses.base import Defense
 from fedsim.defenses.clipping import clip_log, clip_rows, gaussian_like
 from fedsim.privacy.accountant import PrivacyAccountant, default_delta
-from fedsim.registry import DEFENSES, Params
+from fedsim.registry import AGGREGATORS, DEFENSES, Params
 from fedsim.updates import RoundContext, UpdateBatch
 
 BARE_DELTA = 1e-5  # δ when the defense runs without a scenario (bare tensors) and none is given
@@ -114,10 +114,11 @@ def scenario_problems(sc, index: int) -> list[tuple[str, str, object]]:
     after this one (it would change the clipped updates before they are averaged), a count noise
     too small for the budget."""
     spec, path, out = sc.defenses[index], f"defenses.{index}", []
-    if sc.aggregator.name != "fedavg":
+    if sc.aggregator.name not in AGGREGATORS or not AGGREGATORS.get(sc.aggregator.name).traits.weighted_mean:
+        means = [e.name for e in AGGREGATORS.entries() if e.traits.weighted_mean]
         out.append(("aggregator", f"dp_fedavg calibrates its noise to the mean of the clipped updates; aggregator "
-                    f"{sc.aggregator.name} computes something else, so its ε would not hold: use aggregator: fedavg",
-                    sc.aggregator.name))
+                    f"{sc.aggregator.name} computes something else, so its ε would not hold: use aggregator: "
+                    f"{' or '.join(means)}", sc.aggregator.name))
     later = [d.name for d in sc.defenses[index + 1:]]
     if later:
         out.append((path, f"dp_fedavg must be the last defense: {later} would change the clipped updates or their "

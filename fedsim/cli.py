@@ -124,13 +124,43 @@ def first_sentence(doc: str | None) -> str:
     return paragraph.split(". ")[0].rstrip(".") + "."
 
 
-def listing() -> dict[str, list[tuple[str, str, str]]]:
-    """{kind: [(YAML name, parameters with defaults, one-line summary)]} of everything a scenario can name."""
+def source_file(module: str) -> str:
+    """Where a module's code is, as a path from the folder holding the fedsim package (the
+    repository in a checkout: `aggregators/krum.py`, which installs as fedsim.aggregators.krum)."""
+    import importlib.util
+
+    import fedsim
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return module
+    root, origin = Path(fedsim.__file__).resolve().parents[1], Path(spec.origin).resolve()
+    return str(origin.relative_to(root)) if origin.is_relative_to(root) else module
+
+
+def code_of(entry) -> str:
+    """Where a registered component's code is: its module, and for a round protocol the modules of
+    its server exchange and client step too."""
+    modules = [entry.where]
+    for ref in (getattr(entry.traits, "exchange", None), getattr(entry.traits, "client_step", None)):
+        if isinstance(ref, str) and ":" in ref:
+            modules.append(ref.partition(":")[0])
+    return ", ".join(source_file(m) for m in dict.fromkeys(m for m in modules if m))
+
+
+def listing(where: bool = False) -> dict[str, list[tuple[str, ...]]]:
+    """{kind: [(YAML name, parameters with defaults, one-line summary)]} of everything a scenario can name,
+    with where its code is as a fourth column when `where`."""
     from fedsim.registry import ALL
 
-    out = {kind: [(e.name, param_defaults(e.params), e.summary) for e in ALL[kind].entries()] for kind in sorted(ALL)}
+    def row(name, params, summary, module_paths):
+        return (name, params, summary, module_paths()) if where else (name, params, summary)
+
+    out = {kind: [row(e.name, param_defaults(e.params), e.summary, lambda e=e: code_of(e)) for e in ALL[kind].entries()]
+           for kind in sorted(ALL)}
     for kind, models in option_sets().items():
-        out[kind] = [(m.model_fields["name"].default, param_defaults(m), first_sentence(m.__doc__)) for m in models]
+        out[kind] = [row(m.model_fields["name"].default, param_defaults(m), first_sentence(m.__doc__),
+                         lambda m=m: source_file(m.__module__)) for m in models]
     return out
 
 
@@ -158,6 +188,8 @@ def replace_between(text: str, tag: str, body: str) -> str:
 
 
 KIND_ALIASES = {"edge_set": "edge set", "edge_sets": "edge set", "edge-set": "edge set", "edge-sets": "edge set",
+                "tracking_sink": "tracking sink", "tracking-sink": "tracking sink", "tracking": "tracking sink",
+                "sink": "tracking sink", "round protocol": "protocol",
                 "codec": "compressor", "codecs": "compressor", "dataset": "dataset"}
 
 
@@ -179,12 +211,12 @@ def cmd_list(args) -> int:
         text = replace_between(args.write_readme.read_text(), "components", component_table_markdown())
         args.write_readme.write_text(replace_between(text, "scenarios", scenario_list_markdown()))
         return 0
-    every = listing()
+    every = listing(where=args.where)
     kinds = list(every) + ["scenario"]
     if args.kind:
         kind = kind_name(args.kind, kinds)
         if kind is None:
-            spelled = [{"edge set": "edge_sets", "lowrank": "lowrank"}.get(k, k + "s") for k in kinds]
+            spelled = [k if k == "lowrank" else k.replace(" ", "_") + "s" for k in kinds]
             err_console.print(f"unknown kind {args.kind!r}; allowed: {', '.join(spelled)} (or singular)",
                               markup=False, highlight=False, soft_wrap=True)
             return 2
@@ -204,6 +236,8 @@ def cmd_list(args) -> int:
             table.add_column("YAML name")
             table.add_column("parameters (default)")
             table.add_column("what it is")
+            if args.where:
+                table.add_column("code")
             for row in every[kind]:
                 table.add_row(*row)
         print_wide(table)
@@ -233,7 +267,8 @@ def cmd_run(args) -> int:
     engine = begin_engine(args, raw)
     if engine is not None:
         args.later.callback(engine.close)
-    from fedsim.engine.interrupt import RunInterrupted, RunStopped, on_signals  # imports Flower
+    from fedsim.engine.interrupt import RunInterrupted, on_signals
+    from fedsim.flower.stoppable_grid import RunStopped  # imports Flower
     from fedsim.runs.results import read_rounds  # imports torch
 
     scenario = validate_scenario(raw, str(path))
@@ -375,7 +410,8 @@ def cmd_sweep(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from fedsim.engine.interrupt import RunInterrupted, RunStopped, exit_now, on_signals, wait_for_threads
+    from fedsim.engine.interrupt import RunInterrupted, exit_now, on_signals, wait_for_threads
+    from fedsim.flower.stoppable_grid import RunStopped
     from fedsim.runs.report import markdown_table, write_report
 
     preflight_runs(runs, str(args.file))
@@ -542,7 +578,7 @@ def cmd_deploy(args) -> int:
                                          None if tls is None else tls.ca_cert, key, args.data_dir, isolation=args.isolation,
                                          state_dir=args.state_dir, health_address=args.health, local_data=args.local_data))
         if args.isolation == "process" and args.executor == "fork":
-            from fedsim.engine import flower_compat
+            from fedsim.flower import compat as flower_compat
 
             missing = flower_compat.PROBES["forking-executor"].missing()
             if missing:
@@ -672,8 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="list registered components and their parameters")
     lst.add_argument("kind", nargs="?", default=None,
-                     help="aggregators, attacks, defenses, compressors, datasets, models, partitioners, schedules, "
-                          "edge_sets, lowrank or scenarios (singular works too); default: all")
+                     help="aggregators, attacks, defenses, compressors, datasets, models, partitioners, protocols, "
+                          "tracking_sinks, schedules, edge_sets, lowrank or scenarios (singular works too); default: all")
+    lst.add_argument("--where", action="store_true", help="add a column: the file(s) each component's code is in")
     lst.add_argument("--markdown", action="store_true", help="print the README's component table")
     lst.add_argument("--write-readme", type=Path, default=None, metavar="README",
                      help="rewrite the component table and the ready-scenario list in README")

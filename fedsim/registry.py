@@ -8,7 +8,7 @@ from these registries, so a component cannot be usable in one place and missing 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, create_model
@@ -33,24 +33,103 @@ class Params(BaseModel):
         return None
 
 
+def _never(spec) -> bool:
+    return False
+
+
+def load(ref: Any) -> Any:
+    """A declared object, or a "module:attribute" text imported on first use (so a protocol's
+    server and client parts are loaded only where they run, and never by the scenario's schema)."""
+    if isinstance(ref, str) and ":" in ref:
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return ref
+
+
+# --- what each kind declares at registration: typed fields, checked when a component registers ---
+@dataclass(frozen=True)
+class AggregatorTraits:
+    with_info: Callable | None = None  # the rule's twin that also reports what it chose: (aggregate, info by row)
+    with_context: bool = False  # is given the round's context (`ctx=`): its generator, the global model, ...
+    needs_groups: bool = False  # is given the round's groups (`groups=`: rows by group, DETOX)
+    top_level_only: bool = False  # never nested inside DETOX or a wrapper (FLTrust: needs the server's own update)
+    weighted_mean: bool = False  # its aggregate is the example-weighted mean of the rows (what DP-FedAvg's ε assumes)
+    # under secure aggregation: None when the rule needs every client's update; else a function of the
+    # rule's spec giving why this configuration cannot run on secure sums, (field, why, value), or None
+    secure_sum: Callable[[Any], tuple | None] | None = None
+
+
+@dataclass(frozen=True)
+class DefenseTraits:
+    with_federation: bool = False  # is given the scenario's federation section (DP-FedAvg's sampling rate)
+    scenario_check: Callable | None = None  # (scenario, index) -> problems, refused at validation
+    fixed_layers: Callable[[Any], bool] = _never  # spec -> whether it cannot follow a low-rank switch
+    certify: Any = None  # "module:function" certifying the global model at evaluation (CRFL)
+    secure_alternative: str | None = None  # under secure aggregation: what replaces it on the clients
+
+
+@dataclass(frozen=True)
+class AttackTraits:
+    with_rule: bool = False  # craft(..., rule=): tunes itself by running the round's rule
+    with_client_ids: bool = False  # craft(..., honest_ids=): follows clients across rounds
+    stateful: bool = False  # state_dict / load_state_dict, checkpointed with the server
+
+
+@dataclass(frozen=True)
+class CompressorTraits:
+    dense: bool = False  # uploads the update as it is: what secure masking and FedMA's layer uploads need
+
+
+@dataclass(frozen=True)
+class DatasetTraits:
+    embedded: bool = False  # ships with a library: needs no data directory
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    resize: Callable | None = None  # (input_shape, num_classes, params, widths) -> the net with other hidden widths
+
+
+@dataclass(frozen=True)
+class PartitionerTraits:
+    needs_groups: bool = False  # partitions by the dataset's own groups (writers, users)
+
+
+@dataclass(frozen=True)
+class SinkTraits:
+    requires: tuple[str, ...] = ()  # the tracking library's modules, checked before the first round
+
+
+@dataclass(frozen=True)
+class ProtocolTraits:
+    """A round protocol: how one round's messages go out and its replies come back."""
+
+    exchange: Any = None  # "module:Class": the server's side (fedsim/server/exchange.py: the calling convention)
+    client_step: Any = None  # "module:function": the client's side of one message
+    chosen_by: str | None = None  # the scenario section whose `name` names this protocol (None: the default)
+    scenario_check: Callable | None = None  # scenario -> problems (field, reason, value), refused at validation
+    individual_updates: bool = True  # the server sees each client's update (False: only secure sums)
+    update_pipeline: bool = True  # its rounds end in an [n, d] batch for defenses and a rule (FedMA's: matching)
+
+
 @dataclass(frozen=True)
 class Entry:
-    """A registered component: its YAML name, the object, its parameter model and a one-line summary."""
+    """A registered component: its YAML name, the object, its parameter model and its declared traits."""
 
     kind: str
     name: str
     obj: Any
     params: type[Params]
-    capabilities: dict = field(default_factory=dict)  # what callers must know, declared at registration
+    traits: Any  # the kind's traits dataclass
 
-    def capability(self, key: str, default: Any = None) -> Any:
-        """A declared capability; a "module:attribute" text is imported on first use (so a
-        protocol's server and client parts are loaded only where they run)."""
-        value = self.capabilities.get(key, default)
-        if isinstance(value, str) and ":" in value:
-            module, _, attr = value.partition(":")
-            return getattr(importlib.import_module(module), attr)
-        return value
+    def load(self, trait: str) -> Any:
+        """A trait that names an object, imported on first use."""
+        return load(getattr(self.traits, trait))
+
+    @property
+    def where(self) -> str:
+        """The module that defines the component (for `fedsim list --where`)."""
+        return getattr(self.obj, "__module__", "") or ""
 
     @property
     def summary(self) -> str:
@@ -69,24 +148,28 @@ class Entry:
 class Registry:
     """Name -> component, for one kind (aggregator, defense, attack, ...)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, traits: type = type(None)) -> None:
         self.kind = kind
+        self.traits = traits
         self._entries: dict[str, Entry] = {}
 
-    def register(self, name: str, params: type[Params] = Params, **capabilities: Any) -> Callable[[Any], Any]:
-        """Decorator: register `obj` as `name` with its parameter model and its capabilities, e.g. an
-        aggregator's `needs_groups=True`, `with_info=fn` (also reports what it chose),
-        `with_context=True` (is given the round's context), `top_level_only=True` (never nested in
-        DETOX or a wrapper) or `protocol=...` (a multi-exchange protocol with its own strategy, like
-        FedMA); a defense's `fixed_layers=fn(spec) -> bool` (cannot follow a low-rank switch) or
-        `certify="module:function"` (certifies the global model at evaluation, like CRFL)."""
+    def register(self, name: str, params: type[Params] = Params, **traits: Any) -> Callable[[Any], Any]:
+        """Decorator: register `obj` as `name` with its parameter model and its traits, the typed
+        fields of this kind's traits class (e.g. an aggregator's `needs_groups=True`); an unknown
+        trait is an error at import."""
 
         def deco(obj: Any) -> Any:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             if not (isinstance(params, type) and issubclass(params, Params)):
                 raise TypeError(f"{self.kind} {name!r}: params must subclass fedsim.registry.Params")
-            self._entries[name] = Entry(self.kind, name, obj, params, dict(capabilities))
+            try:
+                declared = self.traits(**traits)
+            except TypeError:
+                allowed = [f.name for f in fields(self.traits)] if self.traits is not type(None) else []
+                raise TypeError(f"{self.kind} {name!r}: unknown traits {sorted(traits)}; a {self.kind} declares "
+                                f"{', '.join(allowed) or 'none'}") from None
+            self._entries[name] = Entry(self.kind, name, obj, params, declared)
             return obj
 
         return deco
@@ -99,6 +182,14 @@ class Registry:
             raise KeyError(
                 f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self._entries))}"
             ) from None
+
+    def entry_for(self, instance: Any) -> Entry:
+        """The entry of a component built from this registry (an attack object, say)."""
+        load_components()
+        for entry in self._entries.values():
+            if entry.obj is type(instance):
+                return entry
+        raise KeyError(f"{type(instance).__name__} is not a registered {self.kind}")
 
     def names(self) -> list[str]:
         load_components()
@@ -113,17 +204,19 @@ class Registry:
         return name in self._entries
 
 
-AGGREGATORS = Registry("aggregator")
-DEFENSES = Registry("defense")
-ATTACKS = Registry("attack")
-COMPRESSORS = Registry("compressor")
-DATASETS = Registry("dataset")
-MODELS = Registry("model")
-PARTITIONERS = Registry("partitioner")
+AGGREGATORS = Registry("aggregator", AggregatorTraits)
+DEFENSES = Registry("defense", DefenseTraits)
+ATTACKS = Registry("attack", AttackTraits)
+COMPRESSORS = Registry("compressor", CompressorTraits)
+DATASETS = Registry("dataset", DatasetTraits)
+MODELS = Registry("model", ModelTraits)
+PARTITIONERS = Registry("partitioner", PartitionerTraits)
+PROTOCOLS = Registry("protocol", ProtocolTraits)
+TRACKING_SINKS = Registry("tracking sink", SinkTraits)
 
 ALL = {
     r.kind: r
-    for r in (AGGREGATORS, DEFENSES, ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS)
+    for r in (AGGREGATORS, DEFENSES, ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS, PROTOCOLS, TRACKING_SINKS)
 }
 
 # Modules whose import registers components. Kept in one list so that registering is explicit.
@@ -135,6 +228,9 @@ COMPONENT_MODULES = (
     "fedsim.compression",
     "fedsim.data",
     "fedsim.models",
+    "fedsim.secagg.config",
+    "fedsim.server",
+    "fedsim.tracking.sinks",
 )
 
 _loaded = False
@@ -148,3 +244,15 @@ def load_components() -> None:
     _loaded = True
     for mod in COMPONENT_MODULES:
         importlib.import_module(mod)
+
+
+def protocol_for(scenario) -> Entry:
+    """The round protocol a scenario runs: the one whose `chosen_by` section names it
+    (`secure_aggregation: {name: lightsecagg}`, `aggregator: {name: fedma}`), else the default."""
+    chosen = [e for e in PROTOCOLS.entries() if e.traits.chosen_by is not None
+              and getattr(getattr(scenario, e.traits.chosen_by, None), "name", None) == e.name]
+    if len(chosen) > 1:
+        raise ValueError(f"the scenario names two round protocols: {', '.join(e.name for e in chosen)}")
+    if chosen:
+        return chosen[0]
+    return next(e for e in PROTOCOLS.entries() if e.traits.chosen_by is None)

@@ -56,7 +56,7 @@ class Runtime:
         def build() -> ArrayDataset:
             entry = DATASETS.get(name)
             params = spec if spec is not None else entry.params()
-            data_dir = None if name == "digits" else resolve_data_dir(self.scenario.data.dir)
+            data_dir = None if entry.traits.embedded else resolve_data_dir(self.scenario.data.dir)
 
             def load() -> dict[str, np.ndarray]:
                 d = entry.obj(data_dir, params)
@@ -99,7 +99,7 @@ class Runtime:
         entry = PARTITIONERS.get(spec.name)
         labels, n, seed = self.data.y_train, self.scenario.federation.num_clients, self.scenario.seed
         # a natural partition (one writer per client) also needs each example's writer
-        extra = {"groups": self.data.groups} if entry.capability("needs_groups", False) else {}
+        extra = {"groups": self.data.groups} if entry.traits.needs_groups else {}
 
         def compute() -> dict[str, np.ndarray]:
             parts = entry.obj(labels, n, seed, spec, **extra)

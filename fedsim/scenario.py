@@ -16,8 +16,9 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from fedsim.devices import DeviceName, GpuShare
-from fedsim.registry import AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, Registry
-from fedsim.secagg.config import SecureAggregationSection, secure_aggregation_problems
+from fedsim.registry import (AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, PROTOCOLS,
+                             TRACKING_SINKS, Registry, load, protocol_for)
+from fedsim.secagg.config import SecureAggregationSection
 from fedsim.secagg.config import parse_section as parse_secure_aggregation
 
 
@@ -37,12 +38,14 @@ def _name_shorthand(default: str | None, value: Any) -> Any:
     return value
 
 
-def component(registry: Registry, default: str | None = None) -> Any:
+def component(registry: Registry, default: str | None = None, also: list | None = None) -> Any:
     """The type of a YAML component section: a union of the registry's specs, told apart by `name`.
 
     A plain string is shorthand for `{name: ...}`; a mapping without `name` means the default.
+    `also`: entries of another kind the section may name too (the round protocols chosen by the
+    `aggregator` section: `aggregator: fedma`).
     """
-    models = [e.spec_model() for e in registry.entries()]
+    models = [e.spec_model() for e in [*registry.entries(), *(also or [])]]
     if not models:
         return Annotated[dict, AfterValidator(functools.partial(_none_registered, registry.kind))]
     inner: Any = models[0] if len(models) == 1 else Annotated[Union[tuple(models)], Field(discriminator="name")]
@@ -51,6 +54,16 @@ def component(registry: Registry, default: str | None = None) -> Any:
 
 def _none_registered(kind: str, value: Any) -> Any:
     raise ValueError(f"no {kind} is registered")
+
+
+def distinct_sinks(sinks: list) -> list:
+    """The scenario's `tracking` list, each sink named once: a run has one run per library, and
+    tracking.json keeps its ids by sink name."""
+    names = [s.name for s in sinks]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed more than once; list each sink once")
+    return sinks
 
 
 class LocalDPSection(Section):
@@ -113,6 +126,13 @@ class Pufferfish(Section):
     the factors start from a truncated SVD of the warmed-up weights."""
 
     name: Literal["pufferfish"] = "pufferfish"
+
+    def start(self, switch, vec):  # the server's switch (fedsim/lowrank/switch.py) runs this scheme's rule
+        return switch.pufferfish_start(vec)
+
+    def after_round(self, switch, rnd: int, vec):
+        return switch.pufferfish_after_round(rnd, vec)
+
     rank_ratio: float = Field(0.25, gt=0, le=1, description="rank = floor(ratio * full rank) (official: 1/4)")
     warmup_rounds: int = Field(0, ge=0, description="full-rank rounds before factorizing")
     skip_first: int = Field(1, ge=0, description="leading layers kept full rank")
@@ -125,6 +145,13 @@ class Cuttlefish(Section):
     smoothed rank curve is flat (the official rule, with rounds in place of epochs)."""
 
     name: Literal["cuttlefish"] = "cuttlefish"
+
+    def start(self, switch, vec):  # the server's switch (fedsim/lowrank/switch.py) runs this scheme's rule
+        return switch.cuttlefish_start(vec)
+
+    def after_round(self, switch, rnd: int, vec):
+        return switch.cuttlefish_after_round(rnd, vec)
+
     window: int = Field(15, ge=2, description="EMA window of the rank curves (official: 15)")
     min_rounds: int | None = Field(None, ge=0, description="no switch before this round (default: window)")
     tail: int = Field(11, ge=2, description="rounds whose mean slope must be under the threshold (official: 11)")
@@ -202,26 +229,32 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
             sc.attack.resolve_attackers(fed.num_clients, sc.seed)
         except ValueError as err:
             out.append(("attack", str(err), sc.attack.attacker_ids if sc.attack.attacker_ids is not None else sc.attack.num_attackers))
-    check = AGGREGATORS.get(sc.aggregator.name).capability("scenario_check")
-    if check is not None:  # a protocol's own refusals (FedMA: no codecs, defenses, low rank, ...)
+    named = [e.name for e in PROTOCOLS.entries() if e.traits.chosen_by is not None
+             and getattr(getattr(sc, e.traits.chosen_by, None), "name", None) == e.name]
+    if len(named) > 1:
+        out.append(("secure_aggregation", f"the scenario names two round protocols ({' and '.join(named)}); a round "
+                    "runs one: drop one of them", named))
+        return out
+    protocol = protocol_for(sc)
+    check = load(protocol.traits.scenario_check)
+    if check is not None:  # the round protocol's own refusals (FedMA: no codecs, defenses, low rank, ...)
         out += check(sc)
     if fed.local_dp is not None:  # what local DP's per-client noise cannot serve
         why = None
-        if AGGREGATORS.get(sc.aggregator.name).capability("protocol") is not None:
+        if not protocol.traits.update_pipeline:
             why = "runs its own client protocol, whose messages local DP does not privatize"
         elif getattr(sc.aggregator, "redundancy", False):
             why = "votes on the bit-identical updates of a redundant group, which per-client noise makes differ"
         if why:
             out.append(("federation.local_dp", f"aggregator {sc.aggregator.name} {why}; drop one of the two", sc.aggregator.name))
     for i, d in enumerate(sc.defenses):  # a defense's own refusals (DP-FedAvg: the mean, and last)
-        defense_check = DEFENSES.get(d.name).capability("scenario_check")
+        defense_check = DEFENSES.get(d.name).traits.scenario_check
         if defense_check is not None:
             out += defense_check(sc, i)
-    out += secure_aggregation_problems(sc)  # what needs individual updates the server no longer sees
     if sc.lowrank is not None:
         # defenses that declare they rely on the model's tensors staying as they are (a per-layer
         # history, named layers): fixed_layers(spec) -> bool in their registry entry
-        fixed = [d.name for d in sc.defenses if DEFENSES.get(d.name).capability("fixed_layers", lambda spec: False)(d)]
+        fixed = [d.name for d in sc.defenses if DEFENSES.get(d.name).traits.fixed_layers(d)]
         if fixed:
             out.append(("lowrank", f"lowrank.name={sc.lowrank.name} changes the model's layers mid-run, which defenses={fixed} "
                         "cannot follow (their per-layer history or named layers would no longer fit); drop one of the two",
@@ -233,12 +266,10 @@ def build_scenario_model() -> type[BaseModel]:
     """The Scenario model, with component unions over everything registered now."""
 
     Dataset, Partition = component(DATASETS, "digits"), component(PARTITIONERS, "dirichlet")
-    Model, Aggregator = component(MODELS, "mlp"), component(AGGREGATORS, "fedavg")
+    by_aggregator = [e for e in PROTOCOLS.entries() if e.traits.chosen_by == "aggregator"]
+    Model, Aggregator = component(MODELS, "mlp"), component(AGGREGATORS, "fedavg", also=by_aggregator)
     Defense, Attack, Compressor = component(DEFENSES), component(ATTACKS), component(COMPRESSORS, "none")
-    # imported here: fedsim.tracking imports the run folder, which imports this module
-    from fedsim.tracking.base import SINKS, distinct_sinks
-
-    TrackingSink = component(SINKS)
+    TrackingSink = component(TRACKING_SINKS)
 
     class DataSection(Section):
         dataset: Dataset = "digits"

@@ -12,7 +12,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from fedsim.compression.base import PayloadError, clip, excerpt
-from fedsim.engine.flower_compat import recorddict_size
+from fedsim.flower.compat import recorddict_size
 from fedsim.models.layout import ModelLayout
 
 MAX_PAYLOAD_FACTOR = 4  # a payload may be at most this many times the float32 model (plus 1 MiB)

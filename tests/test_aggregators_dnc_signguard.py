@@ -243,8 +243,8 @@ def test_far_group_of_identical_attackers_is_removed_by_signguard(n, f):
 @pytest.mark.parametrize("name,params", [("dnc", {"num_malicious": 2, "niters": 3, "subsample_dim": 20}), ("signguard", {})])
 def test_same_seed_same_result_and_selection_is_permutation_equivariant(name, params):
     entry = AGGREGATORS.get(name)
-    with_info = entry.capability("with_info")
-    assert entry.capability("with_context") is True
+    with_info = entry.traits.with_info
+    assert entry.traits.with_context is True
     updates = torch.cat([mostly_positive(11, 400, seed=8), -mostly_positive(3, 400, seed=9)])
     weights = torch.ones(14)
     first = with_info(updates, weights, **params, ctx=ctx(11))

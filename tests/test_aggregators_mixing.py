@@ -27,6 +27,7 @@ from fedsim.aggregators.mixing import (
     nnm_mix,
     nnm_with_info,
 )
+from fedsim.aggregators.base import call_rule
 from fedsim.registry import AGGREGATORS
 from fedsim.scenario import ScenarioError
 from fedsim.server.pipeline import RoundPipeline
@@ -41,12 +42,10 @@ def scenario(*overrides: str):
 
 def rule(name: str, **params):
     """A registered rule called as the pipeline would, with its defaults."""
-    entry = AGGREGATORS.get(name)
-    kwargs = entry.params(**params).model_dump()
+    spec = AGGREGATORS.get(name).spec_model()(name=name, **params)
 
     def call(updates, weights, ctx=None):
-        extra = {"ctx": ctx} if entry.capability("with_context", False) else {}
-        return entry.obj(updates, weights, **kwargs, **extra)
+        return call_rule(spec, updates, weights, ctx)[0]
 
     return call
 
@@ -234,7 +233,7 @@ def test_defaults_and_capabilities():
     assert BucketingParams().s == 2 and BucketingParams().inner.name == "krum"
     assert NNMParams().num_malicious == 1 and NNMParams().inner.name == "krum"
     for name in ("centered_clipping", "bucketing", "nnm"):
-        assert AGGREGATORS.get(name).capability("with_context") is True
+        assert AGGREGATORS.get(name).traits.with_context is True
     with pytest.raises(ValidationError):
         CenteredClippingParams(tau=float("inf"))
     with pytest.raises(ValidationError):

@@ -22,7 +22,7 @@ from flwr.serverapp.strategy.multikrum import select_multikrum
 from pydantic import ValidationError
 
 from update_samples import make_updates
-from fedsim.aggregators.base import vector_rule_names
+from fedsim.aggregators.base import call_rule, vector_rule_names
 import fedsim.aggregators.columns as columns
 from fedsim.aggregators import AggregationError
 from fedsim.aggregators.bulyan import bulyan, bulyan_select
@@ -302,12 +302,11 @@ def test_column_blocks_do_not_change_results(monkeypatch):
 
 
 def run_with_defaults(entry, updates, weights, **overrides):
-    kwargs = entry.params(**overrides).model_dump()
-    if entry.capability("with_context", False):  # a seeded round context; the server's own update: the mean
-        d = updates.shape[1]
-        kwargs["ctx"] = RoundContext(1, torch.zeros(d), ModelLayout(names=("w",), shapes=((d,),)),
-                                     torch.Generator().manual_seed(0), tools=GivenServerUpdate(updates.mean(dim=0)))
-    return entry.obj(updates, weights, **kwargs)
+    """The rule with its defaults (and `overrides`), called as the server calls it (`call_rule`)."""
+    d = updates.shape[1]  # a seeded round context; the server's own update: the mean
+    ctx = RoundContext(1, torch.zeros(d), ModelLayout(names=("w",), shapes=((d,),)),
+                       torch.Generator().manual_seed(0), tools=GivenServerUpdate(updates.mean(dim=0)))
+    return call_rule(entry.spec_model()(name=entry.name, **overrides), updates, weights, ctx)[0]
 
 
 # Iterative Krum (Bulyan's default selection) rescores the last few survivors with

@@ -15,7 +15,7 @@ import torch
 
 from conftest import quick_scenario, run_local
 from fedsim.attacks.byzantine import alie_z_max
-from fedsim.client.app import local_update
+from fedsim.client.steps import local_update
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError, load_scenario
 

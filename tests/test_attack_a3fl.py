@@ -23,7 +23,7 @@ from fedsim.attacks.a3fl import (
 from fedsim.attacks.base import AttackerRound
 from fedsim.attacks.trigger import TriggerBackdoor, TriggerParams, choose_poisoned, stamp
 from fedsim.client.app import make_client_app
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.models.nets import LeNet
 from fedsim.runs.checkpoint import load_server
 from fedsim.runs.folder import RunFolder

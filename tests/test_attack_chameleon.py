@@ -21,8 +21,9 @@ from fedsim.attacks.chameleon import (
 from fedsim.attacks.nested import OUTER_FIELDS
 from fedsim.attacks.trigger import TriggerParams
 from fedsim.cli import main
-from fedsim.client.app import local_update, make_client_app
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.client.app import make_client_app
+from fedsim.client.steps import local_update
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.lowrank.layers import build_factorized
 from fedsim.models.nets import LeNet, LeNetParams, MlpParams, Vgg9Params, features, head, lenet, mlp, vgg9
 from fedsim.registry import ATTACKS

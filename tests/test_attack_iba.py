@@ -40,7 +40,7 @@ def scenario(seed=0, **attack):
 
 
 def attack_round(rt, rnd, memory=None, global_vec=None, seed=None, epochs=1):
-    """One attacker round as the ClientApp builds it (fedsim.client.app.local_update)."""
+    """One attacker round as the ClientApp builds it (fedsim.client.steps.local_update)."""
     global_vec = rt.initial_weights() if global_vec is None else global_vec
     model = rt.build_model()
     rt.layout.load_into(model, global_vec)
@@ -311,7 +311,7 @@ def test_bad_parameters_name_their_field():
 # --------------------------------------------------------------------------- a whole run
 def test_whole_run_measures_the_generator_the_attacker_reported(tmp_path):
     from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
     from fedsim.runs.checkpoint import load_client, load_server
     from fedsim.runs.folder import RunFolder
     from fedsim.runs.results import read_rounds

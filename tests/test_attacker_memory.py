@@ -14,7 +14,7 @@ import torch
 from fedsim.attacks.base import ClientAttack
 from fedsim.attacks.trigger import TriggerBackdoor
 from fedsim.client.app import make_client_app
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.runs.checkpoint import load_server
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
@@ -80,13 +80,13 @@ def test_memory_grows_across_attack_rounds_and_the_report_sets_the_backdoor(tmp_
 
 def test_rounds_since_attack_after_a_resume_is_found_from_the_seeded_schedule():
     from fedsim.runtime import runtime_for
-    from fedsim.server.strategy import ScenarioStrategy
+    from fedsim.server.driver import RoundDriver
 
     scenario = load_scenario("scenarios/quickstart.yaml", ["federation.rounds=12", "attack.schedule.every=5",
                                                             "attack.schedule.first=2"])
-    walked = ScenarioStrategy(runtime_for(scenario))
+    walked = RoundDriver(runtime_for(scenario))
     expected = [walked.rounds_since_attack(r, bool(walked.sample(r)[1])) for r in range(1, 13)]
     assert expected == [None, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0]
     for start in (3, 9, 12):  # a fresh strategy, as after `--resume`, continuing at round `start`
-        resumed = ScenarioStrategy(runtime_for(scenario))
+        resumed = RoundDriver(runtime_for(scenario))
         assert resumed.rounds_since_attack(start, bool(resumed.sample(start)[1])) == expected[start - 1]

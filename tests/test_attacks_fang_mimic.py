@@ -340,7 +340,7 @@ def grid_run(parent, overrides, kill_after=None, run_dir=None):
     """Run the quickstart on digits with 10 clients, all in every round, through the in-process grid
     with checkpoints; `kill_after` stops it as if the process died after that round's line."""
     from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
     from fedsim.runs.folder import RunFolder
     from fedsim.server.app import run_server
 

@@ -15,9 +15,10 @@ from fedsim.attacks.nested import OUTER_FIELDS
 from fedsim.attacks.neurotoxin import MEMORY_KEY, bottom_k, bottom_k_masks
 from fedsim.attacks.trigger import choose_poisoned
 from fedsim.cli import main
-from fedsim.client.app import local_update, make_client_app
+from fedsim.client.app import make_client_app
+from fedsim.client.steps import local_update
 from fedsim.data.base import DataFileError
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.runtime import Runtime

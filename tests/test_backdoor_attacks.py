@@ -18,7 +18,7 @@ from fedsim.runs.results import read_rounds
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError, validate_scenario
 from fedsim.server.app import run_server
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 
 
 def scenario(attack, seed=0, **federation):

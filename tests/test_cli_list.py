@@ -19,10 +19,25 @@ FEDSIM = [sys.executable, "-m", "fedsim.cli"]
 
 @pytest.mark.parametrize("kind,needle", [("attacks", "edge_case"), ("attack", "edge_case"), ("schedules", "fixed_pool"),
                                          ("edge_sets", "southwest"), ("lowrank", "cuttlefish"),
+                                         ("protocols", "lightsecagg"), ("protocol", "fedma"),
+                                         ("tracking_sinks", "tensorboard"), ("tracking_sink", "mlflow"),
                                          ("scenarios", "scenarios/paper/mnist_ardis_pgd.yaml")])
 def test_list_takes_plural_and_singular_kinds(kind, needle):
     out = subprocess.run(FEDSIM + ["list", kind], capture_output=True, text=True)
     assert out.returncode == 0 and needle in out.stdout, out.stderr
+
+
+def test_where_names_each_components_code(capsys):
+    """`--where`: the file a component is defined in, and a protocol's server exchange and client step."""
+    assert main(["list", "aggregators", "--where"]) == 0
+    listed = capsys.readouterr().out
+    assert "aggregators/krum.py" in listed and "aggregators/detox.py" in listed
+    assert main(["list", "protocols", "--where"]) == 0
+    listed = capsys.readouterr().out
+    for code in ("fedsim/server/exchange.py", "fedsim/client/steps.py", "fedsim/server/secure.py",
+                 "fedsim/client/secure.py", "fedsim/fedma/exchange.py", "fedsim/fedma/client.py"):
+        assert code in listed, code
+    assert main(["list", "aggregators"]) == 0 and "aggregators/krum.py" not in capsys.readouterr().out
 
 
 def test_unknown_kind_lists_the_allowed_ones(capsys):

@@ -9,7 +9,7 @@ import numpy as np
 from flwr.app import Context, RecordDict
 
 from fedsim.client.app import make_client_app, state_folder
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.runs.checkpoint import load_client, save_client
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds

@@ -47,7 +47,7 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
 
 def test_registered_with_certify_capability():
     entry = DEFENSES.get("crfl")
-    assert entry.obj is CRFL and entry.capability("certify") is certify
+    assert entry.obj is CRFL and entry.load("certify") is certify
     p = CRFLParams()
     assert (p.rho_max, p.rho_slope, p.rho_intercept, p.sigma) == (15.0, 0.1, 2.0, 0.01)  # paper's MNIST row
     assert (p.sigma_test, p.alpha, p.certify_every) == (0.01, 0.001, None)

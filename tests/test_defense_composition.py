@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fedsim.client.app import make_client_app
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.registry import AGGREGATORS, DEFENSES
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
@@ -37,7 +37,7 @@ RULES = {
 DEFENSE_SPECS = {"fldetector": "{name: fldetector, window: 1}", "crfl": "{name: crfl, num_models: 5, certify_subset: 30}",
                  "deepsight": "{name: deepsight, num_samples: 100}"}
 CASES = [("aggregator=" + RULES.get(name, name), name) for name in AGGREGATORS.names()
-         if AGGREGATORS.get(name).capability("protocol") is None]
+]
 CASES += [(f"defenses=[{DEFENSE_SPECS.get(name, name)}]", name) for name in DEFENSES.names()]
 
 

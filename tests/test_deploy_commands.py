@@ -220,7 +220,7 @@ def test_a_sweep_run_that_trained_nothing_is_not_done_and_runs_again(tmp_path, m
     next `fedsim sweep` runs it again from the start, leaving the finished runs alone."""
     import fedsim.engine.simulate as simulation
     from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
     from fedsim.server.app import run_server
 
     failing_seeds = {1}
@@ -259,7 +259,7 @@ def test_the_serverapp_under_flwr_run_fails_a_run_that_trained_nothing_and_logs_
     as failed (`fedsim deploy run` then exits 1: deploy.run_and_check); before that it logs each
     round's row through Flower's logger, which `flwr run --stream` shows."""
     from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
     from fedsim.scenario import load_scenario
     from fedsim.server.app import make_server_app
 

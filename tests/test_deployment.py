@@ -113,7 +113,7 @@ def in_process_rounds(tmp: Path, overrides: list[str]) -> list[dict]:
     from fedsim.runs.folder import RunFolder
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
 
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)
     local_dir = RunFolder.create(scenario, tmp / "local").path
@@ -291,7 +291,7 @@ def test_a_device_training_on_its_own_image_folder_beside_partition_nodes(cluste
     from flwr.app import Context
 
     from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
     from fedsim.runs.folder import RunFolder
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server

@@ -40,7 +40,7 @@ def test_fedma_runs_on_superlink_like_in_process(cluster):
     from fedsim.runs.folder import RunFolder
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
 
     scenario = load_scenario(SCENARIO, OVERRIDES)
     local_dir = RunFolder.create(scenario, cluster.tmp / "local").path

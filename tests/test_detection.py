@@ -1,4 +1,4 @@
-"""The detection audit (fedsim/server/detection.py): hand-counted confusion matrices for each kind of
+"""The detection audit (fedsim/runs/detection.py): hand-counted confusion matrices for each kind of
 defense (filter, choosing rule, redundancy vote, down-weighting, clipping), run totals, and the
 audit in real rounds.jsonl lines and summary.json."""
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.client.app import make_client_app
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
-from fedsim.server.detection import flagged_clients, rates, round_detection, run_detection
+from fedsim.runs.detection import flagged_clients, rates, round_detection, run_detection
 
 ROOT = Path(__file__).resolve().parents[1]
 

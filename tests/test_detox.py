@@ -222,7 +222,7 @@ def test_explicit_groups_need_not_be_consecutive():
 
 
 INNER_NAMES = [name for name in vector_rule_names()
-               if name != "detox" and not AGGREGATORS.get(name).capability("top_level_only", False)]
+               if not AGGREGATORS.get(name).traits.needs_groups and not AGGREGATORS.get(name).traits.top_level_only]
 
 
 def test_a_top_level_only_rule_is_refused_as_the_inner_rule():

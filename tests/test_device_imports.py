@@ -52,7 +52,7 @@ from fedsim.client.app import app
 imported = sorted({m.partition(".")[0] for m in sys.modules})
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from fedsim.deploy.run_config import scenario_from_context
-from fedsim.engine.flower_compat import act_as_superlink, stamp_message_id
+from fedsim.flower.compat import act_as_superlink, stamp_message_id
 from fedsim.runtime import runtime_for
 from fedsim.wire import pack_model
 act_as_superlink(run_id=1)

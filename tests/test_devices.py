@@ -310,7 +310,7 @@ def run_in_process(tmp_path: Path, overrides: list[str]):
     """A small quickstart on the in-process grid: (rounds.jsonl lines without times, summary)."""
     sys.path.insert(0, str(REPO / "tests"))
     from fedsim.client.app import make_client_app
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
     from fedsim.runs.folder import RunFolder
     from fedsim.runs.results import read_rounds
     from fedsim.scenario import load_scenario
@@ -351,7 +351,7 @@ def test_the_backend_config_carries_client_gpus_as_num_gpus(fake_cuda):
 @needs_no_cuda
 def test_client_gpus_without_a_gpu_fails_before_ray_starts(tmp_path):
     """Not Flower's empty actor pool after Ray's start (and a ServerApp thread left waiting): this error, at once."""
-    from fedsim.engine.options import EngineOptions
+    from fedsim.flower.options import EngineOptions
     from fedsim.engine.simulate import simulate
 
     sc = validate_scenario({"federation": {"client_gpus": 0.5, "num_clients": 4, "clients_per_round": 2, "rounds": 1},

@@ -8,7 +8,7 @@ import torch
 
 from fedsim.attacks.edge_case import replacement_factor
 from fedsim.attacks.schedules import EveryRound, ExplicitRounds, FixedFrequency, FixedPool, sample_round
-from fedsim.client.app import local_update
+from fedsim.client.steps import local_update
 from fedsim.runtime import Runtime
 from fedsim.scenario import validate_scenario
 

@@ -137,7 +137,7 @@ def test_compact_client_app_pickles_small_and_rebuilds_the_same_scenario():
 
 def test_no_node_map_outside_a_simulation():
     """A grid that is not driven by `simulate` (deployment, the in-process test grid) gets None, so
-    ScenarioStrategy.discover_nodes asks every node for its partition."""
+    fedsim/server/nodes.py asks every node for its partition."""
     _, grid, _ = _link_state(3)
     assert registered_partitions(grid, timeout=1.0) is None
     assert registered_partitions(object(), timeout=1.0) is None
@@ -153,11 +153,11 @@ def test_messages_go_out_largest_client_first():
 
     scenario = load_scenario("scenarios/quickstart.yaml", ["attack=null"])
     strategy = ScenarioStrategy(runtime_for(scenario))
-    strategy.node_of = {p: 1000 + p for p in range(scenario.federation.num_clients)}
+    strategy.node_of.update({p: 1000 + p for p in range(scenario.federation.num_clients)})
     messages = list(strategy.configure_train(1, ArrayRecord(), ConfigRecord(), grid=None))
     order = [m.metadata.dst_node_id - 1000 for m in messages]
-    sizes = [len(strategy.rt.partitions[p]) for p in order]
-    assert sorted(order) == strategy.pending.sampled and len(set(sizes)) > 1
+    sizes = [len(strategy.driver.rt.partitions[p]) for p in order]
+    assert sorted(order) == strategy.driver.pending.sampled and len(set(sizes)) > 1
     assert [(-s, p) for s, p in zip(sizes, order)] == sorted((-s, p) for s, p in zip(sizes, order))
 
 
@@ -206,7 +206,7 @@ def test_actor_module_is_cheap_to_import():
 def test_simulate_swaps_the_actor_class_and_restores_it():
     from flwr.server.superlink.fleet.vce.backend import raybackend
 
-    from fedsim.engine.options import EngineOptions
+    from fedsim.flower.options import EngineOptions
     from fedsim.engine.ray_actor import client_actor_class
     from fedsim.engine.simulate import engine_adjustments
 
@@ -221,7 +221,7 @@ def test_simulate_swaps_the_actor_class_and_restores_it():
 def test_simulate_swaps_the_engine_queue_and_restores_it():
     """The engine's threads poll their queues with a 1 s timeout before checking the stop event;
     during `simulate` the wait is capped so the engine stops as soon as the ServerApp is done."""
-    from fedsim.engine.options import EngineOptions
+    from fedsim.flower.options import EngineOptions
     from fedsim.engine.simulate import engine_adjustments
 
     original = vce_api.Queue

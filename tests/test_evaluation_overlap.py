@@ -23,7 +23,7 @@ from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
 from fedsim.server.strategy import ScenarioStrategy
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 
 QUICK = ["federation.rounds=4", "federation.num_clients=8", "federation.clients_per_round=4",
          "attack.schedule.every=2", "attack.schedule.first=1"]
@@ -63,7 +63,7 @@ def test_evaluation_really_overlaps_and_lines_stay_ordered_with_checkpoints(tmp_
     started = ScenarioStrategy.configure_train
 
     def configure_train(self, server_round, *args):
-        events.append(("start", server_round + self.offset, time.perf_counter()))
+        events.append(("start", server_round + self.driver.offset, time.perf_counter()))
         return started(self, server_round, *args)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", slow_evaluation)

@@ -413,7 +413,7 @@ def test_bad_assignment_rejected():
 
 
 def test_params_defaults_and_registered_as_layerwise():
-    from fedsim.registry import AGGREGATORS
+    from fedsim.registry import AGGREGATORS, PROTOCOLS
 
     p = FedMAParams()
     assert (p.sigma, p.sigma0, p.mu0, p.mu0_bias, p.gamma) == (1.0, 1.0, 0.0, 0.1, 7.0)
@@ -421,8 +421,7 @@ def test_params_defaults_and_registered_as_layerwise():
     assert all(f.description for f in FedMAParams.model_fields.values())
     layers = permuted_clients(np.random.default_rng(0).standard_normal((3, 4)) * 10, 2, 0.0, 0)[1]
     assert bbp_map_match(layers, **p.match_kwargs()).global_size == 3
-    entry = AGGREGATORS.get("fedma")
-    assert entry.capability("protocol") == "fedma" and entry.params is FedMAParams
-    assert entry.capability("strategy").__name__ == "FedMAStrategy" and callable(entry.capability("client_step"))
-    with pytest.raises(TypeError, match="layer-wise"):
-        entry.obj(torch.zeros(2, 3), torch.ones(2))
+    entry = PROTOCOLS.get("fedma")  # a round protocol chosen by `aggregator: fedma`, not an [n, d] rule
+    assert entry.params is FedMAParams and entry.traits.chosen_by == "aggregator" and not entry.traits.update_pipeline
+    assert entry.load("exchange").__name__ == "FedMAExchange" and callable(entry.load("client_step"))
+    assert "fedma" not in AGGREGATORS

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fedsim.client.app import make_client_app
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario

@@ -100,7 +100,7 @@ RULES = st.one_of(
 def run_one_round(rule, per_round: int, min_replies: int):
     from fedsim.client.app import make_client_app
     from fedsim.server.app import run_server
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
 
     raw = {"federation": {"num_clients": 12, "clients_per_round": per_round, "rounds": 1, "local_epochs": 1,
                           "min_replies": min_replies}, "aggregator": rule, "model": {"name": "mlp", "hidden": [8]},

@@ -17,7 +17,8 @@ import pytest
 from flwr.app import Message
 
 from fedsim.server.record import without_times
-from fedsim.engine.interrupt import RunInterrupted, RunStopped, StoppableGrid, on_signals
+from fedsim.engine.interrupt import RunInterrupted, on_signals
+from fedsim.flower.stoppable_grid import RunStopped, StoppableGrid
 from fedsim.runs.results import read_rounds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +149,7 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     from fedsim.runs.folder import RunFolder
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
 
     overrides = [a for a in SMALL if a != "--set"]
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
-from fedsim.client.app import local_update, make_client_app
+from fedsim.client.app import make_client_app
+from fedsim.client.steps import local_update
 from fedsim.data.base import DataFileError
 from fedsim.data.local import FACTS, dataset_facts, load_local
-from fedsim.engine.flower_compat import act_as_superlink, stamp_message_id
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.compat import act_as_superlink, stamp_message_id
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.registry import DATASETS
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds

@@ -445,7 +445,7 @@ def test_registered_with_params_and_summaries():
         entry = DATASETS.get(name)
         assert entry.params is params and entry.summary
     entry = PARTITIONERS.get("natural")
-    assert entry.params is natural.NaturalParams and entry.capability("needs_groups") is True
+    assert entry.params is natural.NaturalParams and entry.traits.needs_groups is True
 
 
 # --------------------------------------------------------------------------- facts vs loaders

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import load_scenario

@@ -23,13 +23,15 @@ def test_every_registered_component_validates_in_a_scenario(kind):
     """Nothing can be registered and unusable: each name, with default parameters, is a valid scenario section."""
     section = {
         "aggregator": "aggregator", "defense": "defenses", "attack": "attack", "compressor": "compression",
-        "model": "model", "dataset": None, "partitioner": None,
+        "model": "model", "dataset": None, "partitioner": None, "tracking sink": "tracking", "protocol": None,
     }[kind]
     for entry in ALL[kind].entries():
         assert issubclass(entry.params, Params)
         entry.params()  # defaults are valid
-        if section == "defenses":
-            raw = {"defenses": [entry.name]}
+        if section in ("defenses", "tracking"):
+            raw = {section: [entry.name]}
+        elif kind == "protocol":  # named by the section it declares (the default protocol by none)
+            raw = {entry.traits.chosen_by: entry.name} if entry.traits.chosen_by else {}
         elif section is not None:
             raw = {section: entry.name}
         elif kind == "dataset":

@@ -8,7 +8,7 @@ from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import every_round_skipped, read_rounds
 from fedsim.scenario import load_scenario
 from fedsim.server.app import run_server
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 
 
 def test_every_round_skipped_only_when_no_round_was_aggregated():

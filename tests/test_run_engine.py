@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fedsim.client.app import make_client_app
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.server.app import run_server

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conftest import QUICKSTART, quick_scenario, run_local
-from fedsim.client.app import local_update, make_client_app
-from fedsim.engine.local_grid import StageDropGrid
+from fedsim.client.app import make_client_app
+from fedsim.client.steps import local_update
+from fedsim.flower.local_grid import StageDropGrid
 from fedsim.runs.checkpoint import load_server
 from fedsim.runs.results import read_rounds
 from fedsim.runtime import runtime_for

@@ -12,8 +12,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import strategy as flwr_strategy
 
 from fedsim.client.app import make_client_app
-from fedsim.engine.flower_compat import act_as_superlink
-from fedsim.engine.local_grid import LocalGrid
+from fedsim.flower.compat import act_as_superlink
+from fedsim.flower.local_grid import LocalGrid
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError, load_scenario

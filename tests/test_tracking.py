@@ -22,7 +22,8 @@ from conftest import quick_scenario, run_local
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError, load_scenario
-from fedsim.tracking import Trackers, TrackingUnavailable
+from fedsim.tracking.base import TrackingUnavailable
+from fedsim.tracking.trackers import Trackers
 from fedsim.tracking.base import flat_metrics, flat_params
 from fedsim.tracking.tensorboard_sink import TensorBoardSink
 

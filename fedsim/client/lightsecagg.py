@@ -18,7 +18,7 @@ import time
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedsim.engine.flower_compat import legacy_fit_ins, legacy_fit_res_update, pairwise_crypto
+from fedsim.flower.compat import legacy_fit_ins, legacy_fit_res_update, pairwise_crypto
 from fedsim.secagg.field import quantise
 from fedsim.secagg.lightsecagg import LightSecAggParams, aggregate_encoded_masks, encode_mask, mask_update
 from fedsim.secagg.config import LIGHTSECAGG_RECORD as RECORD, LIGHTSECAGG_STAGES as STAGES

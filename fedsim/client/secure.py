@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
+from fedsim.client.steps import attacking, describe, model_ranks, reply_records, train_delta
 from fedsim.defenses.clipping import clip_rows
-from fedsim.engine.flower_compat import SECAGG_STAGES, is_legacy_fit_ins, legacy_fit_ins, secaggplus_client_mod
-from fedsim.engine.flower_compat import secaggplus_record_key
+from fedsim.flower.compat import SECAGG_STAGES, is_legacy_fit_ins, legacy_fit_ins, legacy_fit_res, secaggplus_client_mod
+from fedsim.flower.compat import secaggplus_record_key
+from fedsim.secagg.config import SECAGG_TIMING
 from fedsim.wire import BACKDOOR_RECORD, PayloadError
-
-SECAGG_TIMING = "secagg-timing"
 
 
 def model_from_arrays(arrays: list[np.ndarray], layout) -> torch.Tensor:
@@ -88,3 +88,20 @@ def secure_aggregation_mod(msg: Message, context, call_next) -> Message:
     reply.content.metric_records[SECAGG_TIMING] = MetricRecord(
         {"seconds": seconds, "stage": SECAGG_STAGES.index(stage) if stage in SECAGG_STAGES else -1})
     return reply
+
+
+def secure_train(call) -> tuple[Message, str]:
+    """The secure protocols' client step (`secaggplus`, `lightsecagg`): train as under `plain`, clip
+    before masking, and hand the dense update to the protocol's mod in Flower's legacy fit records
+    (codecs are refused under secure aggregation: masks are added to the dense quantised update)."""
+    rt = call.rt
+    model_arrays, config = legacy_fit_ins(call.msg.content)
+    layout = rt.layout_for(model_ranks(config))
+    trained = train_delta(call, model_from_arrays(model_arrays, layout), config, layout)
+    delta = clip_before_masking(trained.delta, rt.scenario.secure_aggregation, attacking(rt, call.pid))
+    trained.memory.keep(call.context, call.pid, int(config["server-round"]), call.state_dir,
+                        trained.memory.codec_state(layout.dim), layout.dim)
+    metrics = {"num-examples": int(trained.result.num_examples), "train-loss": float(trained.result.stats["loss"]),
+               "partition-id": call.pid}
+    content = reply_records(call, trained, legacy_fit_res([delta.numpy()], int(trained.result.num_examples), metrics))
+    return Message(content, reply_to=call.msg), describe(call, trained)

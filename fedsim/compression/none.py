@@ -13,7 +13,7 @@ class NoneParams(Params):
     pass
 
 
-@COMPRESSORS.register("none", NoneParams)
+@COMPRESSORS.register("none", NoneParams, dense=True)
 class Uncompressed(Codec):
     """No compression: the flat float32 update (4 bytes per parameter)."""
 

@@ -16,7 +16,7 @@ class DigitsParams(Params):
     split_seed: int = Field(0, description="seed of the fixed stratified train/test split")
 
 
-@DATASETS.register("digits", DigitsParams)
+@DATASETS.register("digits", DigitsParams, embedded=True)
 def load_digits(data_dir: Path | None, params: DigitsParams) -> ArrayDataset:
     """scikit-learn's 8x8 handwritten digits (1797 images, bundled, offline), scaled to [0, 1]."""
     try:

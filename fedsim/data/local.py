@@ -233,7 +233,7 @@ def _pixels(where: Path, x: np.ndarray, facts: DatasetFacts) -> np.ndarray:
     if x.dtype != np.uint8 or facts.pixel_max != 255:
         bad = not np.all(np.isfinite(x)) or np.any(x != np.round(x))
         if bad or x.min() < 0 or x.max() > facts.pixel_max:
-            scale = " (scikit-learn's raw digits scale)" if facts.name == "digits" else ""
+            scale = " (its own raw scale, not 0..255)" if facts.pixel_max != 255 else ""
             raise DataFileError(
                 f"{NODE_CONFIG_KEY} {where}: pixel values must be whole numbers in 0..{facts.pixel_max} for "
                 f"dataset {facts.name}{scale}, found values from {x.min()} to {x.max()}"

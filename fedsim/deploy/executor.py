@@ -2,7 +2,7 @@
 (`fedsim deploy executor`; fedsim/deploy/commands.py builds its command line).
 
 Flower's SuperNode runtime is non-public API: it is reached through
-fedsim/engine/flower_compat.py (probe `forking-executor`).
+fedsim/flower/compat.py (probe `forking-executor`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, po
     executor and not for ClientApps. So this executor imports flwr's ClientApp runtime and the
     `preload` modules once, then, like `flower-superexec`, polls the SuperNode's Runtime API
     (`AcquireTask`, every `poll_interval` s while idle) and for each task forks a child that runs
-    Flower's `run_clientapp` (through fedsim/engine/flower_compat.py) with the task's token: the same code `flwr-clientapp`
+    Flower's `run_clientapp` (through fedsim/flower/compat.py) with the task's token: the same code `flwr-clientapp`
     runs, so the message, Context, FAB and reply go through the SuperNode exactly as before.
 
     What the child does not inherit: the app itself. Modules of this app that the parent
@@ -57,7 +57,7 @@ def serve_clientapps(runtime_api: str, runtime_root_cert: Path | None = None, po
     import traceback
     from logging import ERROR, INFO, WARNING
 
-    from fedsim.engine import flower_compat
+    from fedsim.flower import compat as flower_compat
 
     api = flower_compat.runtime_api()  # Flower's SuperNode runtime, non-public: FlowerCompatError if absent
     log, run_clientapp = api.log, api.run_clientapp

@@ -17,7 +17,7 @@ import json
 import ray
 from flwr.clientapp import ClientApp
 
-from fedsim.engine import flower_compat
+from fedsim.flower import compat as flower_compat
 
 
 class ClientAppRunner:

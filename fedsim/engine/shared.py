@@ -21,7 +21,7 @@ exact JSON (fedsim/engine/ray_actor.py), keyed by the scenario's content and sta
 the datasets' caches, keyed by their files; a run never sees another scenario's app; a warm-up
 only fills those caches ahead of the first message.
 
-Flower's engine is reached only through fedsim/engine/flower_compat.py (`shared_engine_patches`).
+Flower's engine is reached only through fedsim/flower/compat.py (`shared_engine_patches`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import queue
 import random
 import threading
 
-from fedsim.engine import flower_compat
-from fedsim.engine.options import EngineOptions
+from fedsim.flower import compat as flower_compat
+from fedsim.flower.options import EngineOptions
 
 log = logging.getLogger("fedsim")
 

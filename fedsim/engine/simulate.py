@@ -25,9 +25,9 @@ wrapped or replaced, and restored afterwards:
   event, so the engine stopped (and Ray's shutdown began) up to a second after the ServerApp had
   finished; the queues used during `simulate` cap that wait at `EngineOptions.queue_wait_seconds`.
 
-Every one of these reaches into Flower's non-public API through fedsim/engine/flower_compat.py; if
+Every one of these reaches into Flower's non-public API through fedsim/flower/compat.py; if
 the installed Flower lacks what they rely on, `simulate` leaves the engine alone (it stays
-correct, only slower at scale). Each is an `EngineOptions` field (fedsim/engine/options.py), on by
+correct, only slower at scale). Each is an `EngineOptions` field (fedsim/flower/options.py), on by
 default, so that benchmarks/overhead.py can measure what it buys.
 
 The engine pickles the ClientApp with every message it sends to a Ray actor: `simulate` sends a
@@ -51,10 +51,10 @@ from typing import Callable
 
 from fedsim.engine import ray_start  # noqa: F401,I001  (first: it sets the environment flwr and Ray read at import)
 from fedsim.devices import check_simulation_gpus
-from fedsim.engine import flower_compat
+from fedsim.flower import compat as flower_compat
 from fedsim.engine.allocator import apply_to_this_process
-from fedsim.engine.interrupt import RunStopped
-from fedsim.engine.options import EngineOptions
+from fedsim.flower.stoppable_grid import RunStopped
+from fedsim.flower.options import EngineOptions
 from fedsim.engine.ray_actor import CompactClientApp, client_actor_class
 from fedsim.engine.ray_start import (  # noqa: F401  (also imported from here by the engine's callers)
     OBJECT_STORE_BYTES, client_resources, init_local_ray, quiet_logs, ray_address, single_threaded_openblas,
@@ -187,20 +187,17 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
                     ", ".join(flower_compat.PROBES["simulation-engine"].missing()))
         yield
         return
-    vce_api, raybackend, actor_pool = flower_compat.engine_modules()
-    original_register, original_deliver = vce_api._register_nodes, vce_api.add_messages_to_queue
-    original_terminate, original_actor = actor_pool.terminate_all_actors, raybackend.ClientAppActor
-    original_queue, original_init_ray = vce_api.Queue, raybackend.RayBackend.init_ray
+    flower = flower_compat.engine_members()  # Flower's own, put back when the last user leaves
 
     def register_nodes(num_nodes, state_factory):
-        mapping = original_register(num_nodes=num_nodes, state_factory=state_factory)
+        mapping = flower["register_nodes"](num_nodes=num_nodes, state_factory=state_factory)
         NODE_MAPS.record(state_factory.state(), mapping)
         return mapping
 
     def deliver(state, queue, nodes_mapping, f_stop):
         if options.fast_message_delivery and flower_compat.has_message_store(state):
             return deliver_messages(state, queue, nodes_mapping, f_stop, options.delivery_sweep_seconds)
-        return original_deliver(state, queue, nodes_mapping, f_stop)
+        return flower["deliver"](state, queue, nodes_mapping, f_stop)
 
     def terminate_all_actors(pool):
         import ray
@@ -210,14 +207,14 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
 
     with NODE_MAPS.lock:
         NODE_MAPS.active += 1
-    vce_api._register_nodes, vce_api.add_messages_to_queue = register_nodes, deliver
-    actor_pool.terminate_all_actors = terminate_all_actors
-    vce_api.Queue = prompt_stop_queue(options.queue_wait_seconds)
+    adjusted = {"register_nodes": register_nodes, "deliver": deliver, "terminate_all_actors": terminate_all_actors,
+                "queue": prompt_stop_queue(options.queue_wait_seconds)}
     if options.prestarted_workers:
-        raybackend.RayBackend.init_ray = start_local_ray(original_init_ray, after_ray_init, options.malloc_settings)
+        adjusted["init_ray"] = start_local_ray(flower["init_ray"], after_ray_init, options.malloc_settings)
     light_actor = client_actor_class() if options.light_actor else None
     if light_actor is not None:
-        raybackend.ClientAppActor = light_actor
+        adjusted["actor_class"] = light_actor
+    flower_compat.set_engine_members(adjusted)
     try:
         yield
     finally:
@@ -225,11 +222,7 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
             NODE_MAPS.active -= 1
             if not NODE_MAPS.active:
                 NODE_MAPS.maps.clear()
-                vce_api._register_nodes, vce_api.add_messages_to_queue = original_register, original_deliver
-                actor_pool.terminate_all_actors = original_terminate
-                raybackend.ClientAppActor = original_actor
-                vce_api.Queue = original_queue
-                raybackend.RayBackend.init_ray = original_init_ray
+                flower_compat.set_engine_members(flower)
 
 
 def simulate(scenario, run_dir: Path | RunFolder | None = None, verbose: bool = False, progress=None, client_app=None,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedsim.fedma.matching import Kind, neurons_of, permute_next_layer, slice_next_layer, slice_to_client, split_neurons
-from fedsim.models.nets import RESIZABLE, resized
+from fedsim.models.nets import resizable, resized
 
 State = dict[str, np.ndarray]
 
@@ -41,8 +41,8 @@ class ChainArch:
     @classmethod
     def of(cls, model_name: str, input_shape, num_classes: int, params) -> "ChainArch":
         """Read the chain off the registered net at its default widths."""
-        if model_name not in RESIZABLE:
-            raise ValueError(f"FedMA needs a model it can resize; model.name={model_name!r} is not one of {list(RESIZABLE)}")
+        if model_name not in resizable():
+            raise ValueError(f"FedMA needs a model it can resize; model.name={model_name!r} is not one of {resizable()}")
         model = resized_default(model_name, input_shape, num_classes, params)
         named = list(model.state_dict().items())
         if len(named) % 2 or not named:

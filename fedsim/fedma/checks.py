@@ -1,5 +1,5 @@
 """Scenario settings FedMA cannot work with, refused at validation (declared as the `fedma`
-aggregator's `scenario_check` in its registry entry)."""
+protocol's `scenario_check` in its registry entry)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,22 @@ from typing import Any
 
 def fedma_conflicts(sc) -> list[tuple[str, str, Any]]:
     """Settings FedMA's layer-wise matching cannot work with, refused before anything runs."""
-    from fedsim.models.nets import RESIZABLE
-    from fedsim.registry import ATTACKS
+    from fedsim.models.nets import resizable
+    from fedsim.registry import ATTACKS, COMPRESSORS
 
     both = "aggregator.name=fedma"
     out = []
     if sc.lowrank is not None:
         out.append(("lowrank", f"{both} matches the neurons of full layers; lowrank.name={sc.lowrank.name} factorizes them: drop one",
                     sc.lowrank.name))
-    if sc.compression.name != "none":
+    if not COMPRESSORS.get(sc.compression.name).traits.dense:
         out.append(("compression", f"{both} uploads whole layers whose width changes every exchange; compression.name="
                     f"{sc.compression.name} encodes fixed-shape model updates: set compression to none", sc.compression.name))
     if sc.defenses:
         out.append(("defenses", f"{both} aggregates layers of varying width, not [n, d] updates; defenses="
                     f"{[d.name for d in sc.defenses]} need the latter: remove them", [d.name for d in sc.defenses]))
-    if sc.model.name not in RESIZABLE:
-        out.append(("model", f"{both} grows hidden layers; model.name={sc.model.name} cannot be resized (allowed: {list(RESIZABLE)})",
+    if sc.model.name not in resizable():
+        out.append(("model", f"{both} grows hidden layers; model.name={sc.model.name} cannot be resized (allowed: {resizable()})",
                     sc.model.name))
     if sc.attack is not None:
         attack = ATTACKS.get(sc.attack.name).obj(sc.attack)

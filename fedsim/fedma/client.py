@@ -61,7 +61,19 @@ def class_counts(y: np.ndarray, num_classes: int) -> np.ndarray:
     return np.bincount(y.astype(np.int64), minlength=num_classes)[:num_classes].astype(np.int64)
 
 
-def fedma_train(rt, pid: int, msg: Message, context: Context) -> Message:
+def fedma_train(call) -> tuple[Message, str]:
+    """The `fedma` protocol's client step: one FedMA exchange; returns the reply carrying the layer the
+    server matches next. FedMA trains on the scenario's partitions: a device's own data is refused."""
+    from fedsim.client.steps import LOCAL_DATA, local_data_path
+
+    if local_data_path(call.context) is not None:
+        raise ValueError(f"{LOCAL_DATA} {local_data_path(call.context)}: FedMA's client protocol trains on the "
+                         "scenario's partitions; it does not take a device's own data")
+    step = call.msg.content["config"].get("fedma-step", "?")
+    return fedma_exchange(call.rt, call.pid, call.msg, call.context), f"fedma {step} step"
+
+
+def fedma_exchange(rt, pid: int, msg: Message, context: Context) -> Message:
     """Handle one FedMA exchange; returns the reply carrying the layer the server matches next."""
     config = msg.content["config"]
     step, rnd = str(config["fedma-step"]), int(config["server-round"])

@@ -26,7 +26,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 from pydantic import Field
 
-from fedsim.registry import AGGREGATORS, Params
+from fedsim.registry import PROTOCOLS, Params
 
 Kind = Literal["fc", "conv", "conv_to_fc"]
 
@@ -34,7 +34,9 @@ POPULARITY_CAP = 10  # m_i = min(n_i, 10) in the popularity term
 
 
 class FedMAParams(Params):
-    """Hyper-parameters of FedMA (official code `main.py` / `matching/pfnm.py`, README run)."""
+    """FedMA matched averaging (Wang et al. 2020), chosen by `aggregator: fedma`: layer-wise BBP-MAP matching.
+
+    Its hyper-parameters follow the official code (`main.py` / `matching/pfnm.py`, README run)."""
 
     sigma: float = Field(1.0, gt=0, description="σ, std of a local neuron around its global one")
     sigma0: float = Field(1.0, gt=0, description="σ0, prior std of a global neuron")
@@ -418,13 +420,8 @@ def average_last_layer(
     return np.einsum("jc,jch->ch", share, w), (share * b).sum(axis=0)
 
 
-# A protocol, not an [n, d] rule: its own server strategy, client step and scenario checks.
-@AGGREGATORS.register("fedma", FedMAParams, protocol="fedma", strategy="fedsim.fedma.strategy:FedMAStrategy",
-                      client_step="fedsim.fedma.client:fedma_train", scenario_check="fedsim.fedma.checks:fedma_conflicts")
-def fedma(updates, weights, **params):
-    """FedMA matched averaging (Wang et al. 2020): layer-wise BBP-MAP matching with retraining."""
-    raise TypeError(
-        "fedma is a layer-wise protocol over several message exchanges, not an [n, d] rule; "
-        "the server runs it through fedsim.fedma.strategy.FedMAStrategy"
-    )
-
+# A round protocol, not an [n, d] rule: its own server exchange, client step and scenario checks;
+# chosen by `aggregator: {name: fedma}` in a scenario.
+PROTOCOLS.register("fedma", FedMAParams, exchange="fedsim.fedma.exchange:FedMAExchange",
+                   client_step="fedsim.fedma.client:fedma_train", scenario_check="fedsim.fedma.checks:fedma_conflicts",
+                   chosen_by="aggregator", update_pipeline=False)(FedMAParams)

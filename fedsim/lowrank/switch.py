@@ -34,21 +34,10 @@ class LowRankSwitch:
         return model
 
     def start(self, vec: torch.Tensor) -> torch.Tensor:
-        """Before round 1: start Cuttlefish's history, or factorize now (Pufferfish without warm-up)."""
+        """Before round 1: the scheme's own start (Cuttlefish's history; Pufferfish without warm-up factorizes now)."""
         if self.spec is None:
             return vec
-        if self.spec.name == "cuttlefish":
-            model = self.model(vec)
-            s = self.spec
-            self.tracker = CuttlefishTracker(
-                model, window=s.window, min_rounds=s.min_rounds, tail=s.tail, threshold=s.threshold,
-                threshold_scaler=s.threshold_scaler, skip_first=s.skip_first, skip_last=s.skip_last,
-            )
-            self.tracker.update(model)  # the official history starts with the untrained weights
-            return vec
-        if self.spec.warmup_rounds == 0:
-            return self.switch(vec, self.pufferfish_ranks(vec))[0]
-        return vec
+        return self.spec.start(self, vec)
 
     def pufferfish_ranks(self, vec: torch.Tensor) -> dict[str, int]:
         model = self.model(vec)
@@ -68,8 +57,26 @@ class LowRankSwitch:
         """The (possibly factorized) global model after round `rnd`, and a report when it switched."""
         if self.spec is None or self.ranks is not None:
             return vec, None
-        if self.spec.name == "pufferfish":
-            return self.switch(vec, self.pufferfish_ranks(vec)) if rnd >= self.spec.warmup_rounds else (vec, None)
+        return self.spec.after_round(self, rnd, vec)
+
+    # --- each scheme's rule, called by its scenario section (fedsim/scenario.py: Pufferfish, Cuttlefish) ---
+    def pufferfish_start(self, vec: torch.Tensor) -> torch.Tensor:
+        return self.switch(vec, self.pufferfish_ranks(vec))[0] if self.spec.warmup_rounds == 0 else vec
+
+    def pufferfish_after_round(self, rnd: int, vec: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
+        return self.switch(vec, self.pufferfish_ranks(vec)) if rnd >= self.spec.warmup_rounds else (vec, None)
+
+    def cuttlefish_start(self, vec: torch.Tensor) -> torch.Tensor:
+        model = self.model(vec)
+        s = self.spec
+        self.tracker = CuttlefishTracker(
+            model, window=s.window, min_rounds=s.min_rounds, tail=s.tail, threshold=s.threshold,
+            threshold_scaler=s.threshold_scaler, skip_first=s.skip_first, skip_last=s.skip_last,
+        )
+        self.tracker.update(model)  # the official history starts with the untrained weights
+        return vec
+
+    def cuttlefish_after_round(self, rnd: int, vec: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
         self.tracker.update(self.model(vec))
         return self.switch(vec, self.tracker.ranks()) if self.tracker.should_switch() else (vec, None)
 

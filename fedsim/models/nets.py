@@ -18,7 +18,11 @@ class MlpParams(Params):
     hidden: list[int] = Field(default_factory=lambda: [64], description="hidden layer widths")
 
 
-@MODELS.register("mlp", MlpParams)
+def _mlp_with(input_shape, num_classes, params, widths: tuple[int, ...]) -> nn.Module:
+    return mlp(input_shape, num_classes, params.model_copy(update={"hidden": list(widths)}))
+
+
+@MODELS.register("mlp", MlpParams, resize=_mlp_with)
 def mlp(input_shape: tuple[int, ...], num_classes: int, params: MlpParams) -> nn.Module:
     """Fully connected ReLU network (for digits and tabular data)."""
     layers: list[nn.Module] = [nn.Flatten()]
@@ -66,7 +70,13 @@ class LeNet(nn.Module):
         return self.fc2(self.features(x))
 
 
-@MODELS.register("lenet", LeNetParams)
+def _lenet_with(input_shape, num_classes, params, widths: tuple[int, ...]) -> nn.Module:
+    if len(widths) != 3:
+        raise ValueError(f"lenet has 3 hidden layers (conv1, conv2, fc1), got widths {widths}")
+    return LeNet(input_shape, num_classes, params.dropout, widths)
+
+
+@MODELS.register("lenet", LeNetParams, resize=_lenet_with)
 def lenet(input_shape: tuple[int, ...], num_classes: int, params: LeNetParams) -> nn.Module:
     """PyTorch MNIST example CNN used as "LeNet" by Attack of the Tails (9216→128→10 on 28x28)."""
     if len(input_shape) != 3:
@@ -81,7 +91,13 @@ class Vgg9Params(Params):
 VGG9_CFG = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 
-@MODELS.register("vgg9", Vgg9Params)
+def _vgg9_with(input_shape, num_classes, params, widths: tuple[int, ...]) -> nn.Module:
+    if len(widths) != 8:
+        raise ValueError(f"vgg9 has 8 conv layers, got widths {widths}")
+    return vgg9(input_shape, num_classes, params, widths)
+
+
+@MODELS.register("vgg9", Vgg9Params, resize=_vgg9_with)
 def vgg9(
     input_shape: tuple[int, ...], num_classes: int, params: Vgg9Params, widths: tuple[int, ...] | None = None
 ) -> nn.Module:
@@ -131,22 +147,15 @@ def _has_classifier(model: nn.Module) -> bool:
 
 
 def resized(name: str, input_shape: tuple[int, ...], num_classes: int, params, widths: tuple[int, ...]) -> nn.Module:
-    """The registered net `name` with other hidden widths (FedMA's matched layers may grow).
-
-    `widths` are the output sizes of every layer but the last, in forward order.
-    """
-    widths = tuple(int(w) for w in widths)
-    if name == "mlp":
-        return mlp(input_shape, num_classes, params.model_copy(update={"hidden": list(widths)}))
-    if name == "lenet":
-        if len(widths) != 3:
-            raise ValueError(f"lenet has 3 hidden layers (conv1, conv2, fc1), got widths {widths}")
-        return LeNet(input_shape, num_classes, params.dropout, widths)
-    if name == "vgg9":
-        if len(widths) != 8:
-            raise ValueError(f"vgg9 has 8 conv layers, got widths {widths}")
-        return vgg9(input_shape, num_classes, params, widths)
-    raise ValueError(f"model {name!r} cannot be resized; resizable: {sorted(RESIZABLE)}")
+    """The registered net `name` with other hidden widths (FedMA's matched layers may grow), by the
+    `resize` its registration declares. `widths` are the output sizes of every layer but the last,
+    in forward order."""
+    resize = MODELS.get(name).traits.resize
+    if resize is None:
+        raise ValueError(f"model {name!r} cannot be resized; resizable: {resizable()}")
+    return resize(input_shape, num_classes, params, tuple(int(w) for w in widths))
 
 
-RESIZABLE = ("lenet", "mlp", "vgg9")
+def resizable() -> list[str]:
+    """The registered nets that declare a `resize` (FedMA can grow them)."""
+    return [e.name for e in MODELS.entries() if e.traits.resize is not None]

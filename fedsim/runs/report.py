@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fedsim.runs.results import read_rounds
 from fedsim.runs.seeds import Spread, seed_groups, without_seed
-from fedsim.server.detection import run_detection
+from fedsim.runs.detection import run_detection
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -114,7 +114,7 @@ def _mean_ms(seconds: list[float]) -> float | None:
 
 
 def detection_columns(total: dict | None) -> dict:
-    """The detection audit's run totals shown beside accuracy (fedsim/server/detection.py)."""
+    """The detection audit's run totals shown beside accuracy (fedsim/runs/detection.py)."""
     total = total or {}
     return {"tpr": total.get("tpr"), "fpr": total.get("fpr"), "f1": total.get("f1"),
             "false_alarms": total.get("false_alarm_rate_without_attackers")}

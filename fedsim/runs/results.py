@@ -14,7 +14,7 @@ from fedsim.privacy.local import LocalPrivacyLedger
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.lifecycle import backdoor_lifecycle
 from fedsim.scenario import scenario_dict
-from fedsim.server.detection import run_detection
+from fedsim.runs.detection import run_detection
 
 
 def _clean(value):

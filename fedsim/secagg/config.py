@@ -24,17 +24,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from fedsim.registry import AGGREGATORS, ATTACKS, COMPRESSORS, DEFENSES, PROTOCOLS, Params
 
 
 LIGHTSECAGG_RECORD = "lightsecagg"  # the ConfigRecord naming a LightSecAgg message's `stage`
 LIGHTSECAGG_STAGES = ("keys", "shares", "upload", "aggregate")
+SECAGG_TIMING = "secagg-timing"  # the MetricRecord of a client's protocol seconds (a measurement, not protocol bytes)
 
 
-class SecAggPlusSection(BaseModel):
-    """Flower's SecAgg+ (`SecAggPlusWorkflow`): pairwise masks from Diffie-Hellman keys, Shamir shares
-    of each client's mask seed and key among `num_shares` neighbours, any `reconstruction_threshold`
-    of which recover a dropped client's masks."""
+class SecAggPlusSection(Params):
+    """Flower's SecAgg+, chosen by `secure_aggregation: secaggplus`: the server learns only the round's sum.
+
+    `SecAggPlusWorkflow`: pairwise masks from Diffie-Hellman keys, Shamir shares of each client's
+    mask seed and key among `num_shares` neighbours, any `reconstruction_threshold` of which recover
+    a dropped client's masks."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
@@ -128,8 +133,10 @@ class SecAggPlusSection(BaseModel):
         return 2 * self.clipping_range * clients / q_total
 
 
-class LightSecAggSection(BaseModel):
-    """LightSecAgg (So et al., MLSys 2022; fedsim/secagg/lightsecagg.py) run as four exchanges on the grid
+class LightSecAggSection(Params):
+    """LightSecAgg (So et al., MLSys 2022), chosen by `secure_aggregation: lightsecagg`: one-shot mask recovery.
+
+    fedsim/secagg/lightsecagg.py, run as four exchanges on the grid
     (fedsim/server/lightsecagg.py): each client's mask is MDS-coded into N shares, sent to the others
     encrypted under pairwise keys (Flower's SecAgg+ key agreement and Fernet), and the server decodes
     the survivors' aggregate mask in one step from any U aggregated shares."""
@@ -190,44 +197,47 @@ def parse_section(value: Any) -> Any:
 
 def secure_aggregation_problems(sc) -> list[tuple[str, str, Any]]:
     """What a scenario with `secure_aggregation` asks for that needs individual updates on the server:
-    (field path, reason, value), as fedsim/scenario.py: consistency_problems reports them."""
+    (field path, reason, value), as fedsim/scenario.py: consistency_problems reports them. Each
+    component says what it needs in its registry entry: a rule its `secure_sum`, a codec whether it
+    is `dense`, a defense its `secure_alternative`."""
     sa = sc.secure_aggregation
     if sa is None:
         return []
     out: list[tuple[str, str, Any]] = []
     hidden = "under secure aggregation the server sees only the sum of a round's updates"
     agg = sc.aggregator
-    if agg.name == "detox":
-        if getattr(agg, "redundancy", True):
-            out.append(("aggregator.redundancy", f"DETOX's majority vote compares the group members' individual updates; "
-                        f"{hidden}. Set redundancy: false: each group is then securely aggregated and the inner rule "
-                        "runs across the group means", True))
-    elif agg.name != "fedavg":
-        out.append(("aggregator", f"aggregator {agg.name} needs every client's update; {hidden}. Allowed: fedavg (the "
-                    "secure weighted sum) or detox with redundancy: false (secure group sums, a robust rule across "
-                    "groups)", agg.name))
+    rule = AGGREGATORS.get(agg.name).traits
+    if rule.secure_sum is None:
+        allowed = [e.name for e in AGGREGATORS.entries() if e.traits.secure_sum is not None]
+        out.append(("aggregator", f"aggregator {agg.name} needs every client's update; {hidden}. Allowed: "
+                    f"{', '.join(allowed)} (fedavg: the secure weighted sum; a group rule: secure group sums, a robust "
+                    "rule across groups)", agg.name))
+    else:
+        problem = rule.secure_sum(agg)
+        if problem is not None:
+            field, why, value = problem
+            out.append((field, f"{why}; {hidden}", value))
     for i, d in enumerate(sc.defenses):
-        hint = " Use secure_aggregation.clip_norm: clients clip before masking" if d.name == "norm_clipping" else ""
+        alternative = DEFENSES.get(d.name).traits.secure_alternative
+        hint = f" Use {alternative}" if alternative else ""
         out.append((f"defenses.{i}", f"defense {d.name} runs on the server over the individual updates; {hidden}.{hint}",
                     d.name))
-    if sc.compression.name != "none":
+    if not COMPRESSORS.get(sc.compression.name).traits.dense:
         out.append(("compression", f"codec {sc.compression.name} encodes an individual update; secure aggregation masks the "
                     "dense quantised update, so the upload cannot be compressed", sc.compression.name))
     if sc.attack is not None and getattr(sc.attack, "name", None) is not None:
-        from fedsim.registry import ATTACKS
-
         if getattr(ATTACKS.get(sc.attack.name).obj, "side", "client") == "server":
             out.append(("attack", f"attack {sc.attack.name} is simulated on the server by replacing the attackers' rows "
                         f"with updates crafted from the honest ones; {hidden}", sc.attack.name))
     if sc.lowrank is not None:
         out.append(("lowrank", "low-rank switching is not supported under secure aggregation", sc.lowrank.name))
     n = sc.federation.clients_per_round
-    sizes = sorted(set([n] if agg.name != "detox" else _group_sizes(n, agg.group_size)))
+    sizes = sorted(set([n] if not rule.needs_groups else _group_sizes(n, agg.group_size)))
     for size in sizes:  # every secure sum a round makes must be able to run
         problem = sa.group_problem(size)
         if problem is not None:
             field, reason, value = problem
-            if agg.name == "detox" and field == "federation.clients_per_round":
+            if rule.needs_groups and field == "federation.clients_per_round":
                 field = "aggregator.group_size"
             out.append((field, reason, value))
             break
@@ -237,3 +247,13 @@ def secure_aggregation_problems(sc) -> list[tuple[str, str, Any]]:
 def _group_sizes(n: int, r: int) -> list[int]:
     count = max(1, n // r)
     return [r] * (count - 1) + [n - r * (count - 1)]
+
+
+# The two protocols, chosen by the scenario's `secure_aggregation: {name: ...}`; the server runs their
+# exchanges (fedsim/server/secure.py), the client its step (fedsim/client/secure.py).
+PROTOCOLS.register("secaggplus", SecAggPlusSection, exchange="fedsim.server.secure:SecAggPlusExchange",
+                   client_step="fedsim.client.secure:secure_train", chosen_by="secure_aggregation",
+                   scenario_check=secure_aggregation_problems, individual_updates=False)(SecAggPlusSection)
+PROTOCOLS.register("lightsecagg", LightSecAggSection, exchange="fedsim.server.secure:LightSecAggExchange",
+                   client_step="fedsim.client.secure:secure_train", chosen_by="secure_aggregation",
+                   scenario_check=secure_aggregation_problems, individual_updates=False)(LightSecAggSection)

@@ -11,30 +11,18 @@ from typing import Callable
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedsim.engine.flower_compat import flower_log as flwr_log
+from fedsim.flower.compat import flower_log as flwr_log
 from fedsim.runs.checkpoint import load_server
-from fedsim.engine.interrupt import RunStopped, StoppableGrid
-from fedsim.engine.options import EngineOptions
-from fedsim.registry import AGGREGATORS
+from fedsim.flower.stoppable_grid import RunStopped, StoppableGrid
+from fedsim.flower.options import EngineOptions
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import append_round, every_round_skipped, read_rounds, summarize, write_summary
 from fedsim.runtime import runtime_for
 from fedsim.server.strategy import ScenarioStrategy
-from fedsim.tracking import Trackers
-from fedsim.wire import pack_model
+from fedsim.tracking.trackers import Trackers
 
 log = logging.getLogger("fedsim")
 NodeMap = Callable[[Grid, float], "dict[int, int] | None"]  # (grid, timeout) -> {partition id: node id}, or None
-
-
-def strategy_class(scenario) -> type[ScenarioStrategy]:
-    """FedMA's layer-wise protocol needs its own strategy; secure aggregation its four exchanges
-    (fedsim/server/secure.py); every other [n, d] rule runs in ScenarioStrategy."""
-    if getattr(scenario, "secure_aggregation", None) is not None:
-        from fedsim.server.secure import SecureAggregationStrategy
-
-        return SecureAggregationStrategy
-    return AGGREGATORS.get(scenario.aggregator.name).capability("strategy") or ScenarioStrategy
 
 
 def run_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None, checkpoints: bool = False) -> dict:
@@ -57,7 +45,7 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
     is aggregated and its evaluation runs in the background: the simulation engine then stops its
     client actors and Ray (about 2 s) while the global model is evaluated, instead of after.
     `node_map(grid, timeout)` gives the simulation engine's {partition id: node id} (see
-    ScenarioStrategy.discover_nodes); `options` are the engine's (fedsim/engine/options.py).
+    fedsim/server/nodes.py); `options` are the engine's (fedsim/flower/options.py).
     """
     trackers = Trackers.of(scenario, run_dir)  # a sink whose library is missing fails here, before any round
     rt = runtime_for(scenario)
@@ -70,7 +58,7 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
         if progress is not None:
             progress(record)
 
-    strategy = strategy_class(scenario)(rt, on_round=on_round, checkpoint_to=run_dir if checkpoints else None,
+    strategy = ScenarioStrategy(rt, on_round=on_round, checkpoint_to=run_dir if checkpoints else None,
                                         options=options, node_map=node_map, defer_last_round=defer_last_evaluation)
     done = prepare_resume(run_dir, strategy) if checkpoints else 0
     if done < fed.rounds:
@@ -78,7 +66,7 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
         try:
             strategy.start(
                 grid=grid,
-                initial_arrays=pack_model(strategy.global_vec, strategy.layout),
+                initial_arrays=strategy.initial_arrays(),
                 num_rounds=fed.rounds - done,
                 timeout=fed.round_timeout,
                 evaluate_fn=strategy.end_round,

@@ -42,7 +42,7 @@ class CentralEvaluator:
         self.source = runtime.attack.source_class() if runtime.attack is not None else None
         self.scenario = scenario
         # defenses that certify the global model (CRFL): (name, spec, certify function)
-        certify = [(d.name, d, DEFENSES.get(d.name).capability("certify")) for d in scenario.defenses]
+        certify = [(d.name, d, DEFENSES.get(d.name).load("certify")) for d in scenario.defenses]
         self.certifiers = [c for c in certify if c[2] is not None]
 
     def _set_backdoor(self, backdoor) -> None:

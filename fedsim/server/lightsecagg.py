@@ -7,7 +7,7 @@
     aggregate  server -> each uploader: the set U1 of uploaders   client -> Σ_{i∈U1} [z̃_i]_j
 
 The server relays the shares but cannot read them: each is Fernet-encrypted under the ECDH key of
-its sender and receiver (Flower's SecAgg+ primitives, fedsim/engine/flower_compat.py:
+its sender and receiver (Flower's SecAgg+ primitives, fedsim/flower/compat.py:
 pairwise_crypto). From any U aggregated shares it decodes Σ_{i∈U1} z_i in one step and returns
 Σ_{i∈U1} x̃_i − Σ z_i = Σ_{i∈U1} (quantised weighted update ‖ weight); the weights sum exactly, so
 the weighted mean is off from FedAvg's only by the rounding, < n·W/(c·Σ w_i) per coordinate.

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from fedsim.aggregators.base import AggregationError
-from fedsim.models.buffers import BufferRows
-from fedsim.registry import AGGREGATORS, ATTACKS, DEFENSES, component_kwargs
+from fedsim.aggregators.base import AggregationError, call_rule
+from fedsim.server.buffers import BufferRows
+from fedsim.registry import AGGREGATORS, ATTACKS, DEFENSES
 from fedsim.updates import RoundContext, UpdateBatch
 
 log = logging.getLogger("fedsim")
@@ -56,7 +56,7 @@ def make_defense(spec, scenario):
     """A defense instance; one registered `with_federation=True` is also given the federation
     section (DP-FedAvg: its sampling rate, noise denominator and default δ)."""
     entry = DEFENSES.get(spec.name)
-    if entry.capability("with_federation", False):
+    if entry.traits.with_federation:
         return entry.obj(spec, federation=scenario.federation)
     return entry.obj(spec)
 
@@ -79,13 +79,13 @@ class RoundPipeline:
 
     def __init__(self, scenario, attack=None) -> None:
         spec = scenario.aggregator
-        self.entry = AGGREGATORS.get(spec.name)  # the rule and what it declared (groups, info)
-        self.kwargs = component_kwargs(spec)
+        self.rule = spec  # called through call_rule, which supplies what the rule declared (context, groups)
+        self.entry = AGGREGATORS.get(spec.name)
         self.attack = attack if attack is not None and attack.side == "server" else None
-        entry = next((e for e in ATTACKS.entries() if e.obj is type(self.attack)), None) if self.attack is not None else None
-        self.attack_takes_ids = bool(entry and entry.capability("with_client_ids", False))  # craft(..., honest_ids=)
-        self.attack_stateful = bool(entry and entry.capability("stateful", False))  # state_dict / load_state_dict
-        self.attack_takes_rule = bool(entry and entry.capability("with_rule", False))  # craft(..., rule=) tunes itself
+        traits = ATTACKS.entry_for(self.attack).traits if self.attack is not None else None
+        self.attack_takes_ids = bool(traits and traits.with_client_ids)  # craft(..., honest_ids=)
+        self.attack_stateful = bool(traits and traits.stateful)  # state_dict / load_state_dict
+        self.attack_takes_rule = bool(traits and traits.with_rule)  # craft(..., rule=) tunes itself
         if self.attack_stateful:  # its own instance, as the defenses: the runtime's may serve several runs of a process
             self.attack = type(self.attack)(self.attack.params)
         self.defenses = [(d.name, make_defense(d, scenario)) for d in scenario.defenses]
@@ -93,7 +93,7 @@ class RoundPipeline:
 
     @property
     def needs_groups(self) -> bool:
-        return bool(self.entry.capability("needs_groups", False))
+        return self.entry.traits.needs_groups
 
     def run(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
             groups: list[list[int]] | None = None) -> RoundOutcome:
@@ -163,19 +163,15 @@ class RoundPipeline:
 
     def aggregate(self, batch: UpdateBatch, groups: list[list[int]] | None, out: RoundOutcome,
                   ctx: RoundContext) -> torch.Tensor:
-        """Run the rule; rules that pick or vote (Krum, DETOX) also report which clients, by id.
-        A rule declared `with_context=True` is also given the round's context (`ctx=`)."""
-        kwargs = dict(self.kwargs)
-        if self.entry.capability("with_context", False):
-            kwargs["ctx"] = ctx
-        if self.needs_groups:
+        """Run the rule (`call_rule`: its context and groups as it declared them); rules that pick or
+        vote (Krum, DETOX) also report which clients, by id."""
+        rows = None
+        if self.needs_groups:  # the groups' client ids as rows of this batch
             row_of = {pid: i for i, pid in enumerate(batch.client_ids)}
-            rows = [[row_of[p] for p in group if p in row_of] for group in groups or []]
-            kwargs["groups"] = [g for g in rows if g]
-        with_info = self.entry.capability("with_info")
-        if with_info is None:
-            return self.entry.obj(batch.updates, batch.weights, **kwargs)
-        aggregate, info = with_info(batch.updates, batch.weights, **kwargs)
+            rows = [g for g in ([row_of[p] for p in group if p in row_of] for group in groups or []) if g]
+        aggregate, info = call_rule(self.rule, batch.updates, batch.weights, ctx, rows)
+        if info is None:
+            return aggregate
         out.aggregator = rows_to_clients(info, batch.client_ids)
         if "weight" in out.aggregator.get("per_row", {}):  # a rule that weighs clients itself: the audit uses its weights
             out.weights = dict(out.aggregator["per_row"]["weight"])

@@ -56,7 +56,7 @@ class RoundRecord:
     aggregator: dict | _Unset = UNSET  # what a choosing rule reported (selected / voters / outvoted), by client id
     aggregated: list[int] | _Unset = UNSET  # clients whose updates reached the rule after the defenses
     detection: dict | _Unset = UNSET  # what the defenses and rule did to the attackers: flagged, tp/fp/fn/tn, tpr, fpr,
-    #   precision, f1, attacker_weight_share, clipped (fedsim/server/detection.py); rounds that reached the pipeline
+    #   precision, f1, attacker_weight_share, clipped (fedsim/runs/detection.py); rounds that reached the pipeline
     global_norm: float | _Unset = UNSET  # L2 norm of the new global model
     lowrank: dict | _Unset = UNSET  # the low-rank switch made this round (layers factorized, ranks)
     model_params: int | _Unset = UNSET  # parameters of the global model after the round

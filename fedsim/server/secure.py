@@ -1,11 +1,11 @@
 """Rounds under secure aggregation: four protocol exchanges instead of one plain exchange.
 
-`SecureAggregationStrategy` is `ScenarioStrategy` with the training exchange replaced. Flower's
-`Strategy.start` sends one batch of messages per round; SecAgg+ needs four (setup, share keys,
-collect masked vectors, unmask), which Flower's own `SecAggPlusWorkflow` drives on the grid
-(fedsim/engine/flower_compat.py: run_secaggplus), and so does LightSecAgg (keys, shares, upload,
-aggregate: fedsim/server/lightsecagg.py). So `configure_train` runs the protocol on the grid it is
-handed and returns no messages, and `aggregate_train` applies what the protocol unmasked: the
+The `secaggplus` and `lightsecagg` protocols' server side (fedsim/server/exchange.py: the calling
+convention). Flower's `Strategy.start` sends one batch of messages per round; SecAgg+ needs four
+(setup, share keys, collect masked vectors, unmask), which Flower's own `SecAggPlusWorkflow` drives
+on the grid (fedsim/flower/compat.py: run_secaggplus), and so does LightSecAgg (keys, shares,
+upload, aggregate: fedsim/server/lightsecagg.py). So `configure` runs the protocol on the grid it
+is handed and returns no messages, and `aggregate` applies what the protocol unmasked: the
 example-weighted mean of the survivors' updates, never one client's update.
 
 What the server then does with it:
@@ -25,21 +25,22 @@ refused every defense and server-side attack that would need them: fedsim/secagg
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 import logging
 import time
 from typing import Iterable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim.engine.flower_compat import (SECAGG_STAGES, recorddict_size, run_secaggplus, secaggplus_record_key)
-from fedsim.client.secure import SECAGG_TIMING  # a client's protocol seconds (a measurement)
+from fedsim.flower.compat import (SECAGG_STAGES, recorddict_size, run_secaggplus, secaggplus_record_key)
 from fedsim.server.lightsecagg import RECORD as LIGHTSECAGG_RECORD, STAGES as LIGHTSECAGG_STAGES, run_lightsecagg
+from fedsim.secagg.config import SECAGG_TIMING  # a client's protocol seconds (a measurement)
 from fedsim.seeding import derive_seed
 from fedsim.server.record import RoundRecord
-from fedsim.server.strategy import ReplyOwners, ScenarioStrategy
+from fedsim.server.exchange import take_backdoor_report
 from fedsim.updates import UpdateBatch
 from fedsim.wire import MEASUREMENT_RECORDS, pack_model
 
@@ -98,61 +99,63 @@ class CountingGrid:
         return replies
 
 
-class SecureAggregationStrategy(ScenarioStrategy):
-    """ScenarioStrategy whose training exchange is a secure aggregation protocol (see the module's docstring)."""
+class SecureExchange(ABC):
+    """A secure aggregation protocol's exchanges for one round, one protocol instance per group
+    (see the module's docstring). Subclasses say how one group's secure sum runs (`run_group`)."""
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
-        messages = super().configure_train(server_round, arrays, config, grid)  # samples, builds and records as usual
-        rnd = server_round + self.offset
-        sa = self.scenario.secure_aggregation
-        pid_of = {node: pid for pid, node in self.node_of.items()}
-        model = [t.numpy() for t in self.layout.unflatten(self.global_vec).values()]
+    def __init__(self, driver, node_of: dict[int, int]) -> None:
+        self.driver, self.node_of = driver, node_of
+        self.section = driver.scenario.secure_aggregation
+        self.groups_out: list = []  # (members, outcome, facts) of this round's groups
+        self.counter: CountingGrid | None = None
+        self.server_seconds = 0.0
+        self.max_weight = 0.0
+
+    def arrays(self) -> ArrayRecord:
+        return pack_model(self.driver.global_vec, self.driver.layout)
+
+    @abstractmethod
+    def run_group(self, grid, fit_ins: dict, rnd: int, max_weight: float, timeout: float):
+        """Run one group's secure sum on `grid`; returns the protocol's outcome (aggregate, summed, metrics)."""
+
+    def configure(self, plan, grid: Grid) -> list[Message]:
+        driver, sa, rnd = self.driver, self.section, plan.round
+        model = [t.numpy() for t in driver.layout.unflatten(driver.global_vec).values()]
         instructions = {}
-        for m in messages:
-            pid = pid_of[m.metadata.dst_node_id]
-            cfg = dict(m.content["config"])
-            cfg["secagg-rounding-seed"] = derive_seed(self.scenario.seed, SECAGG_ROUNDING, rnd, pid) % (2**31)
+        for pid in plan.order:
+            cfg = dict(plan.configs[pid])
+            cfg["secagg-rounding-seed"] = derive_seed(driver.scenario.seed, SECAGG_ROUNDING, rnd, pid) % (2**31)
             instructions[pid] = (model, cfg)
-        groups = self.pending.groups if isinstance(self.pending.groups, list) and self.pending.groups else [
-            sorted(instructions)]
-        max_weight = sa.max_weight or max(self.rt.client_size(p, attacking=p in self.pending.attackers)
-                                          for p in range(self.scenario.federation.num_clients))
+        groups = plan.groups or [sorted(instructions)]
+        self.max_weight = sa.max_weight or max(driver.rt.client_size(p, attacking=p in plan.strikers)
+                                               for p in range(driver.scenario.federation.num_clients))
         counter = CountingGrid(grid)
         started = time.perf_counter()
-        self._secure = []
+        driver.timing[rnd] = {"encode": started - driver.started}
+        self.groups_out = []
         for group in groups:
             members = [p for p in group if p in instructions]
             fit_ins = {self.node_of[p]: instructions[p] for p in members}
             facts = sa.group_facts(len(members))
-            timeout = sa.timeout or self.scenario.federation.round_timeout
             try:
-                if sa.name == "lightsecagg":
-                    outcome = run_lightsecagg(counter, fit_ins, rnd, section=sa, max_weight=max_weight,
-                                              length=self.layout.dim, timeout=timeout)
-                else:
-                    outcome = run_secaggplus(
-                        counter, fit_ins, rnd, num_shares=sa.num_shares, reconstruction_threshold=sa.reconstruction_threshold,
-                        max_weight=max_weight, clipping_range=sa.clipping_range, quantization_range=sa.quantization_range,
-                        modulus_range=sa.modulus_range, timeout=timeout)
+                outcome = self.run_group(counter, fit_ins, rnd, self.max_weight,
+                                         sa.timeout or driver.scenario.federation.round_timeout)
             except ValueError as err:  # e.g. fewer clients than the protocol's parameters allow
                 outcome = None
                 log.warning("round %s: %s refused group %s: %s", rnd, sa.name, members, err)
-            self._secure.append((members, outcome, facts))
-        self._secure_server_seconds = time.perf_counter() - started - counter.waiting_seconds  # the server's own work
-        self._secure_counter, self._secure_max_weight = counter, max_weight
-        self._owner = ReplyOwners([], self.node_of)
+            self.groups_out.append((members, outcome, facts))
+        finished = time.perf_counter()
+        driver.timing[rnd]["secure_aggregation"] = finished - started
+        self.server_seconds = finished - started - counter.waiting_seconds  # the server's own work
+        self.counter = counter
         return []  # the protocol did the exchanges: Flower's loop has nothing left to send
 
-    def aggregate_train(self, server_round: int, replies) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        server_round += self.offset
+    def aggregate(self, replies) -> int | None:
+        driver, sa, counter = self.driver, self.section, self.counter
+        record: RoundRecord = driver.pending
         t_start = time.perf_counter()
-        timing = self._timing.setdefault(server_round, {})
-        timing["secure_aggregation"] = t_start - self._sent_at
-        sa = self.scenario.secure_aggregation
-        record: RoundRecord = self.pending
-        counter: CountingGrid = self._secure_counter
+        timing = driver.timing.setdefault(record.round, {})
         pid_of = {node: pid for pid, node in self.node_of.items()}
-        self._report = None
         up_per = {pid_of[n]: sum(v.values()) for n, v in counter.up.items()}
         down_per = {pid_of[n]: sum(v.values()) for n, v in counter.down.items()}
         stages: dict[str, dict[str, int]] = {}
@@ -165,7 +168,7 @@ class SecureAggregationStrategy(ScenarioStrategy):
         record.update({"bytes_up": sum(up_per.values()), "bytes_down": sum(down_per.values()), "defenses": {},
                        "skipped": None})
         rejected, means, totals, row_ids, summed, losses, bounds, info_groups = {}, [], [], [], [], {}, [], []
-        for members, outcome, facts in self._secure:
+        for members, outcome, facts in self.groups_out:
             got = [] if outcome is None else sorted(pid_of[n] for n in outcome.summed)
             for pid in members:
                 if pid not in got:
@@ -183,41 +186,53 @@ class SecureAggregationStrategy(ScenarioStrategy):
             for p in got:
                 losses[p] = float(metrics[p].get("train-loss", 0.0))
                 if p in record.attackers and self.node_of[p] in counter.collected:
-                    self._take_backdoor_report(p, counter.collected[self.node_of[p]])
+                    take_backdoor_report(driver, p, counter.collected[self.node_of[p]])
             means.append(torch.from_numpy(np.concatenate([a.reshape(-1) for a in outcome.aggregate]).astype(np.float32)))
             totals.append(sum(weights))
             row_ids.append(got[0])
             summed += got
-            bounds.append(sa.error_bound(len(got), weights, self._secure_max_weight))
+            bounds.append(sa.error_bound(len(got), weights, self.max_weight))
         record.rejected = dict(sorted(rejected.items()))
         record.train_loss = (sum(losses[p] for p in sorted(losses)) / len(losses)) if losses else None
         record.attacker_update_norms, record.honest_update_norm_median = {}, None  # hidden by the protocol
         record.secure_aggregation = {
             "protocol": sa.name, "groups": info_groups, "summed": sorted(summed),
             "bytes_per_stage": {s: stages[s] for s in (*SECAGG_STAGES, *LIGHTSECAGG_STAGES) if s in stages},
-            "max_weight": self._secure_max_weight, "error_bound": max(bounds) if bounds else None,
+            "max_weight": self.max_weight, "error_bound": max(bounds) if bounds else None,
         }
         client_seconds = {pid_of[n]: s for n, s in counter.client_seconds.items()}
-        record.secure_aggregation_seconds = {"server": self._secure_server_seconds, "clients": dict(sorted(client_seconds.items()))}
-        if len(summed) < self.scenario.federation.min_replies or not means:
+        record.secure_aggregation_seconds = {"server": self.server_seconds, "clients": dict(sorted(client_seconds.items()))}
+        min_replies = driver.scenario.federation.min_replies
+        if len(summed) < min_replies or not means:
             record.skipped = (f"{len(summed)} updates securely aggregated, fewer than federation.min_replies="
-                              f"{self.scenario.federation.min_replies}") if means else f"{sa.name} halted in every group"
-            log.warning("round %s skipped: %s", server_round, record.skipped)
-            return None, None
-        batch = UpdateBatch(torch.stack(means), torch.tensor(totals, dtype=torch.float32), tuple(row_ids))
-        groups = [[p] for p in row_ids] if self.pipeline.needs_groups else None
+                              f"{min_replies}") if means else f"{sa.name} halted in every group"
+            log.warning("round %s skipped: %s", record.round, record.skipped)
+            return None
         # rows: the secure group means, never a client's update
-        _, outcome = self.run_pipeline(batch, set(), server_round, groups)
-        if outcome.aggregator is not None:
-            record.aggregator = outcome.aggregator
-        if outcome.skipped is not None:
-            record.skipped = outcome.skipped
-            log.warning("round %s skipped: %s", server_round, outcome.skipped)
-            return None, None
+        batch = UpdateBatch(torch.stack(means), torch.tensor(totals, dtype=torch.float32), tuple(row_ids))
+        groups = [[p] for p in row_ids] if driver.pipeline.needs_groups else None
+        if not driver.aggregate(batch, set(), groups, audit=False):
+            log.warning("round %s skipped: %s", record.round, record.skipped)
+            return None
         record.aggregated = sorted(summed)
-        self.global_vec = self.server_opt.step(self.global_vec, outcome.aggregate.cpu(), server_round)
-        record.global_norm = float(torch.linalg.vector_norm(self.global_vec))
-        record.model_params = self.layout.dim
         timing["aggregate"] = time.perf_counter() - t_start
-        return pack_model(self.global_vec, self.layout), MetricRecord({"num-updates": len(summed)})
+        return len(summed)
 
+
+class SecAggPlusExchange(SecureExchange):
+    """Flower's SecAgg+ workflow, one instance per group (fedsim/flower/compat.py: run_secaggplus)."""
+
+    def run_group(self, grid, fit_ins: dict, rnd: int, max_weight: float, timeout: float):
+        sa = self.section
+        return run_secaggplus(grid, fit_ins, rnd, num_shares=sa.num_shares,
+                              reconstruction_threshold=sa.reconstruction_threshold, max_weight=max_weight,
+                              clipping_range=sa.clipping_range, quantization_range=sa.quantization_range,
+                              modulus_range=sa.modulus_range, timeout=timeout)
+
+
+class LightSecAggExchange(SecureExchange):
+    """LightSecAgg's four exchanges, one instance per group (fedsim/server/lightsecagg.py)."""
+
+    def run_group(self, grid, fit_ins: dict, rnd: int, max_weight: float, timeout: float):
+        return run_lightsecagg(grid, fit_ins, rnd, section=self.section, max_weight=max_weight,
+                               length=self.driver.layout.dim, timeout=timeout)

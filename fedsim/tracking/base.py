@@ -1,4 +1,4 @@
-"""What every tracking sink shares: its registry, its calling convention and the flattening of a
+"""What every tracking sink shares (they register in fedsim.registry.TRACKING_SINKS): its calling convention and the flattening of a
 round line, a summary or the scenario into the flat names the tracking libraries take.
 
 A sink's parameters are validated with the scenario (clients validate it too), so this module and
@@ -15,9 +15,6 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from fedsim.registry import Registry
-
-SINKS = Registry("tracking sink")
 EXTRA = "pip install 'fedsim[tracking]'"
 
 
@@ -99,13 +96,3 @@ def flat_params(scenario: dict) -> dict[str, Any]:
 def param_text(value: Any) -> str:
     """A parameter as text: strings as they are, everything else as JSON (`true`, `null`, `[64]`)."""
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def distinct_sinks(sinks: list) -> list:
-    """The scenario's `tracking` list, each sink named once: a run has one run per library, and
-    tracking.json keeps its ids by sink name."""
-    names = [s.name for s in sinks]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"{', '.join(twice)} listed more than once; list each sink once")
-    return sinks

@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import Field
 
-from fedsim.registry import Params
-from fedsim.tracking.base import SINKS, Sink, param_text
+from fedsim.registry import TRACKING_SINKS, Params
+from fedsim.tracking.base import Sink, param_text
 
 CUT = "...[cut]"
 
@@ -41,7 +41,7 @@ def batches(items: list, size: int):
         yield items[start : start + size]
 
 
-@SINKS.register("mlflow", MLflowParams, requires=("mlflow",))
+@TRACKING_SINKS.register("mlflow", MLflowParams, requires=("mlflow",))
 class MLflowSink(Sink):
     """An MLflow run: per-round metrics, the scenario as params, the summary metrics, the report's figure as an artifact."""
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import Field
 
-from fedsim.registry import Params
-from fedsim.tracking.base import SINKS, Sink, param_text
+from fedsim.registry import TRACKING_SINKS, Params
+from fedsim.tracking.base import Sink, param_text
 
 
 class TensorBoardParams(Params):
@@ -22,7 +22,7 @@ class TensorBoardParams(Params):
         "(default: the run folder's tensorboard/)")
 
 
-@SINKS.register("tensorboard", TensorBoardParams, requires=("tensorboard",))
+@TRACKING_SINKS.register("tensorboard", TensorBoardParams, requires=("tensorboard",))
 class TensorBoardSink(Sink):
     """TensorBoard event files: per-round scalars, the scenario as text and hparams, the report's figure as an image."""
 

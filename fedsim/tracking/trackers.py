@@ -18,7 +18,8 @@ from typing import Callable
 
 from fedsim.runs.folder import RunFolder
 from fedsim.scenario import scenario_dict
-from fedsim.tracking.base import SINKS, Sink, flat_metrics, flat_params, require
+from fedsim.registry import TRACKING_SINKS
+from fedsim.tracking.base import Sink, flat_metrics, flat_params, require
 
 log = logging.getLogger("fedsim.tracking")
 
@@ -46,7 +47,7 @@ class Trackers:
         rather than at validation, which the clients (without tracking libraries) also run."""
         folder = RunFolder.of(run_dir)
         require_libraries(scenario)
-        entries = [SINKS.get(spec.name) for spec in scenario.tracking]
+        entries = [TRACKING_SINKS.get(spec.name) for spec in scenario.tracking]
         state = read_state(folder) if entries else {}
         for spec in scenario.tracking:
             if not isinstance(state.get(spec.name), dict):
@@ -132,8 +133,8 @@ class Trackers:
 def require_libraries(scenario) -> None:
     """Raise TrackingUnavailable, naming the extra, when a sink the scenario names lacks its library."""
     for spec in scenario.tracking:
-        entry = SINKS.get(spec.name)
-        require(entry.name, entry.capability("requires", ()))
+        entry = TRACKING_SINKS.get(spec.name)
+        require(entry.name, entry.traits.requires)
 
 
 def read_state(folder: RunFolder) -> dict:

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from fedsim.registry import Params
-from fedsim.tracking.base import SINKS, Sink
+from fedsim.registry import TRACKING_SINKS, Params
+from fedsim.tracking.base import Sink
 
 
 class WandbParams(Params):
@@ -25,7 +25,7 @@ class WandbParams(Params):
     dir: str | None = Field(None, description="folder W&B writes its wandb/ folder into (default: the run folder)")
 
 
-@SINKS.register("wandb", WandbParams, requires=("wandb",))
+@TRACKING_SINKS.register("wandb", WandbParams, requires=("wandb",))
 class WandbSink(Sink):
     """A Weights & Biases run (offline by default): per-round history, the scenario as config, the summary, the report's figure."""
 

@@ -88,7 +88,7 @@ def run_scenario(name: str, parent: Path) -> list[dict]:
     from fedsim.runs.results import read_rounds
     from fedsim.scenario import load_scenario
     from fedsim.server.app import run_server
-    from fedsim.engine.local_grid import LocalGrid
+    from fedsim.flower.local_grid import LocalGrid
 
     path, overrides, kill_after = SCENARIOS[name]
     scenario = load_scenario(str(REPO / path), overrides)

@@ -5,8 +5,8 @@ fedsim talks to Flower through its public API (`flwr.app`, `flwr.serverapp`, `fl
 all here, so that a Flower upgrade means reading one file and running one test
 (`tests/test_flower_compat.py`, which fails naming every probe that no longer holds):
 
-* `simulation-engine`: fedsim's simulation adjustments (fedsim/engine/simulate.py) replace or wrap
-  five members of Flower's simulation engine (node registration, message delivery, the worker
+* `simulation-engine`: fedsim's simulation adjustments (fedsim/engine/simulate.py) replace or wrap,
+  through `set_engine_members` here, six members of Flower's simulation engine (node registration, message delivery, the worker
   queues, actor shutdown and class, Ray's start). Fallback: the engine runs as shipped (correct,
   slower at scale).
 * `actor-contract`: the exceptions Flower's client actors raise (`ClientAppException`,
@@ -118,10 +118,35 @@ def flower_log(level: int, msg: str, *args) -> None:
 
 
 # --- simulation-engine ----------------------------------------------------------------------------
-def engine_modules():
-    """(vce_api, raybackend, BasicActorPool): the objects whose members the simulation adjusts."""
+# fedsim's name -> (owner, attribute): the members of Flower's simulation engine that fedsim's
+# simulation adjustments replace (fedsim/engine/simulate.py builds the replacements)
+ENGINE_MEMBERS = {
+    "register_nodes": (_VCE, "_register_nodes"),
+    "deliver": (_VCE, "add_messages_to_queue"),
+    "queue": (_VCE, "Queue"),
+    "actor_class": (_RAYBACKEND, "ClientAppActor"),
+    "init_ray": (f"{_RAYBACKEND}:RayBackend", "init_ray"),
+    "terminate_all_actors": (f"{_POOL}:BasicActorPool", "terminate_all_actors"),
+}
+
+
+def _owner(spec: str) -> Any:
+    return _get(spec) if ":" in spec else importlib.import_module(spec)
+
+
+def engine_members() -> dict[str, Any]:
+    """The current values of ENGINE_MEMBERS (Flower's own, or fedsim's while adjusted)."""
     require("simulation-engine")
-    return importlib.import_module(_VCE), importlib.import_module(_RAYBACKEND), _get(f"{_POOL}:BasicActorPool")
+    return {name: getattr(_owner(owner), attr) for name, (owner, attr) in ENGINE_MEMBERS.items()}
+
+
+def set_engine_members(values: dict[str, Any]) -> None:
+    """Replace the named members of Flower's simulation engine (the one place fedsim writes them);
+    called again with `engine_members()`'s earlier result to put Flower's back."""
+    require("simulation-engine")
+    for name, value in values.items():
+        owner, attr = ENGINE_MEMBERS[name]
+        setattr(_owner(owner), attr, value)
 
 
 def link_state_now() -> str:

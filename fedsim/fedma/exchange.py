@@ -1,5 +1,7 @@
-"""FedMA with communication (Wang et al., ICLR 2020) as a Flower strategy: K+1 message exchanges
-per round for a network with K matched layers.
+"""FedMA with communication (Wang et al., ICLR 2020): the `fedma` round protocol's server side
+(fedsim/server/exchange.py: the calling convention), K+1 message exchanges per round for a
+network with K matched layers. The global model is a `MatchedModel` (its widths grow), which
+replaces the driver's flat switching model.
 
 Round t, with the sampled clients J:
 1. "local": every client trains its model (round 1: its own initialisation; later: the global
@@ -20,23 +22,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim.fedma.matching import average_last_layer, bbp_map_match
-from fedsim.runs.checkpoint import save_server
 from fedsim.fedma.arch import State, num_params
 from fedsim.fedma.client import arch_for, record_to_state, state_to_record
 from fedsim.models.layout import ModelLayout
 from fedsim.seeding import SERVER, derive_seed
 from fedsim.server.record import RoundRecord
-from fedsim.server.strategy import ReplyOwners, ScenarioStrategy
+from fedsim.server.exchange import ReplyOwners
 from fedsim.compression.base import PayloadError
-from fedsim.wire import MAX_EXAMPLES, check_loss, error_text, excerpt, message_bytes, records_bytes
+from fedsim.wire import MAX_EXAMPLES, check_loss, error_text, excerpt, message_bytes, pack_model, records_bytes
 
 log = logging.getLogger("fedsim")
 
@@ -47,90 +47,95 @@ class UploadError(ValueError):
     """A FedMA reply that is missing, malformed or of the wrong shape."""
 
 
-class FedMAStrategy(ScenarioStrategy):
-    def __init__(self, runtime, on_round=None, checkpoint_to=None, **engine) -> None:
-        super().__init__(runtime, on_round=on_round, checkpoint_to=checkpoint_to, **engine)
-        self.arch = arch_for(runtime)
-        self.params = self.scenario.aggregator
-        self._layouts: dict[tuple[int, ...], ModelLayout] = {}
-        default = self.arch.build(self._default_widths())
-        self.template = {k: tuple(v.shape) for k, v in default.state_dict().items()}
-        self.widths = self._default_widths()
-        self.initial_params = num_params(self.global_state())
-        self.assignments: dict[int, list[np.ndarray]] = {}  # from the last round each client completed
-        self.grid: Grid | None = None
-        self._exchange: list[tuple[Message, int]] = []  # the current exchange's messages and their clients
+class MatchedModel:
+    """FedMA's global model: a flat vector at the current hidden widths, and each client's neuron
+    assignments from the last round it completed (checkpointed with it)."""
 
-    def _default_widths(self) -> tuple[int, ...]:
+    def __init__(self, runtime, arch, vec: torch.Tensor) -> None:
         from fedsim.fedma.arch import resized_default, state_of
 
-        spec = self.scenario.model
-        model = resized_default(spec.name, self.rt.data.input_shape, self.rt.data.num_classes, spec)
-        return self.arch.widths(state_of(model))
+        spec = runtime.scenario.model
+        self.arch = arch
+        self.widths = arch.widths(state_of(resized_default(spec.name, runtime.data.input_shape,
+                                                           runtime.data.num_classes, spec)))
+        self._layouts: dict[tuple[int, ...], ModelLayout] = {}
+        self.vec = vec
+        self.assignments: dict[int, list[np.ndarray]] = {}
 
-    # --- the global model at its current widths ---------------------------------------------------
-    @property
     def layout(self) -> ModelLayout:
         if self.widths not in self._layouts:
             self._layouts[self.widths] = ModelLayout.of(self.arch.build(self.widths))
         return self._layouts[self.widths]
 
-    def global_state(self) -> State:
-        return {k: v.numpy().copy() for k, v in self.layout.unflatten(self.global_vec).items()}
+    def state(self) -> State:
+        return {k: v.numpy().copy() for k, v in self.layout().unflatten(self.vec).items()}
 
-    def set_global(self, state: State) -> None:
+    def set_state(self, state: State) -> None:
         self.widths = self.arch.widths(state)
-        self.global_vec = self.layout.flatten({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
+        self.vec = self.layout().flatten({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
 
-    def global_model(self) -> torch.nn.Module:
-        return self.arch.model(self.global_state())
+    def module(self) -> torch.nn.Module:
+        return self.arch.model(self.state())
 
-    # --- checkpoints: the model's widths and the clients' assignments travel with it ------------
-    def checkpoint(self, rnd: int) -> None:
-        if self.checkpoint_to is not None:
-            extra = {
-                "fedma": {
-                    "widths": list(self.widths),
-                    "assignments": {str(p): [a.tolist() for a in lst] for p, lst in self.assignments.items()},
-                }
-            }
-            save_server(self.checkpoint_to, rnd, self.global_vec, {}, extra)
+    def after_round(self, rnd: int) -> None:
+        return None  # the widths grew, if at all, when the layers were matched
 
-    def resume_from(self, state: dict) -> None:
-        self.offset = int(state["round"])
-        extra = state["extra"]["fedma"]
-        self.widths = tuple(int(w) for w in extra["widths"])
-        self.global_vec = state["global"].clone()
-        self.assignments = {int(p): [np.asarray(a, dtype=np.int64) for a in lst] for p, lst in extra["assignments"].items()}
+    def config(self) -> dict:
+        return {}  # the shape travels in FedMA's own messages
+
+    def state_dict(self) -> dict:
+        return {"fedma": {"widths": list(self.widths),
+                          "assignments": {str(p): [a.tolist() for a in lst] for p, lst in self.assignments.items()}}}
+
+    def load_state_dict(self, extra: dict) -> None:
+        saved = extra["fedma"]
+        self.widths = tuple(int(w) for w in saved["widths"])
+        self.assignments = {int(p): [np.asarray(a, dtype=np.int64) for a in lst] for p, lst in saved["assignments"].items()}
+
+
+class FedMAExchange:
+    """FedMA's K + 1 exchanges a round (see the module's docstring)."""
+
+    def __init__(self, driver, node_of: dict[int, int]) -> None:
+        self.driver, self.node_of = driver, node_of
+        self.scenario, self.rt = driver.scenario, driver.rt
+        self.arch = arch_for(driver.rt)
+        self.params = self.scenario.aggregator
+        self.model = driver.model = MatchedModel(driver.rt, self.arch, driver.global_vec)
+        self.template = {k: tuple(v.shape) for k, v in self.arch.build(self.model.widths).state_dict().items()}
+        self.initial_params = num_params(self.model.state())
+        self.grid: Grid | None = None
+        self._exchange: list[tuple[Message, int]] = []  # the current exchange's messages and their clients
+
+    def arrays(self) -> ArrayRecord:
+        return pack_model(self.model.vec, self.model.layout())
 
     # --- exchange 0: local training ----------------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        rnd = server_round + self.offset
-        self.t_round = time.perf_counter()
+    def configure(self, plan, grid: Grid) -> list[Message]:
+        rnd, sampled = plan.round, plan.sampled
         self.grid = grid
-        sampled, strikers = self.sample(rnd)
         fresh = rnd == 1 and self.params.local_init
-        gstate = None if fresh else self.global_state()
+        gstate = None if fresh else self.model.state()
         messages, down_per_client = [], {}
         self._exchange = []  # (message, partition id) of this exchange: replies are matched to them
         for pid in sampled:
             content = {"config": ConfigRecord({"server-round": rnd, "fedma-step": "local"})}
             if gstate is not None:
-                own = self.assignments.get(pid)
+                own = self.model.assignments.get(pid)
                 content["arrays"] = state_to_record(self.arch.slice_for_client(gstate, own) if own else gstate)
             down_per_client[pid] = records_bytes(content)
             messages.append(Message(RecordDict(content), dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN))
             self._exchange.append((messages[-1], pid))
-        self.pending = RoundRecord(rnd, sampled, strikers, bytes_down=sum(down_per_client.values()),
-                                   bytes_down_per_client=down_per_client)
+        self.driver.pending.bytes_down = sum(down_per_client.values())
+        self.driver.pending.bytes_down_per_client = down_per_client
         return messages
 
     # --- exchanges 1..K: match, broadcast, retrain above --------------------------------------------
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        rnd = server_round + self.offset
-        record = self.pending
+    def aggregate(self, replies: list[Message]) -> int | None:
+        record = self.driver.pending
+        rnd = record.round
         record.update({"bytes_up": 0, "bytes_up_per_client": {}, "rejected": {}, "defenses": {}, "skipped": None})
-        new_state = self.global_state()  # filled layer by layer; shapes change as layers are matched
+        new_state = self.model.state()  # filled layer by layer; shapes change as layers are matched
         counts, losses = {}, {}
         current = self._collect(list(replies), 0, record.sampled, new_state, record, counts, losses)
         record.train_loss = float(np.mean([losses[p] for p in sorted(losses)])) if losses else None
@@ -138,7 +143,7 @@ class FedMAStrategy(ScenarioStrategy):
         match_seconds, exchanges = 0.0, 1
         for l in range(self.arch.num_matched):
             if not self._enough(current, record, rnd, f"matching layer {l}"):
-                return None, None
+                return None
             pids = sorted(current)
             t0 = time.perf_counter()
             result = bbp_map_match(
@@ -169,26 +174,26 @@ class FedMAStrategy(ScenarioStrategy):
             self._widen_inputs(new_state, l)
             current = self._collect(replies, l + 1, pids, new_state, record, counts, losses)
         if not self._enough(current, record, rnd, "averaging the output layer"):
-            return None, None
+            return None
         pids = sorted(current)
         out = self.arch.layers[-1]
         weight, bias = average_last_layer(
             [current[p][out.weight] for p in pids], [current[p][out.bias] for p in pids], [counts[p] for p in pids]
         )
         new_state[out.weight], new_state[out.bias] = weight.astype(np.float32), bias.astype(np.float32)
-        self.set_global(new_state)
-        self.assignments = {p: own[p] for p in pids}
+        self.model.set_state(new_state)
+        self.model.assignments = {p: own[p] for p in pids}
         params_now = num_params(new_state)
         record.update({
             "aggregated": pids,
             "exchanges": exchanges,
-            "global_widths": list(self.widths),
+            "global_widths": list(self.model.widths),
             "model_params": params_now,
             "model_growth": params_now / self.initial_params,
             "match_seconds": match_seconds,
-            "global_norm": float(torch.linalg.vector_norm(self.global_vec)),
+            "global_norm": float(torch.linalg.vector_norm(self.model.vec)),
         })
-        return state_to_record(new_state), MetricRecord({"num-updates": len(pids)})
+        return len(pids)
 
     def _enough(self, current: dict, record: RoundRecord, rnd: int, what: str) -> bool:
         need = self.scenario.federation.min_replies

@@ -11,7 +11,7 @@ from flwr.serverapp import Grid
 
 from uuid import uuid4
 
-from fedsim.engine.flower_compat import act_as_superlink, from_the_link, secaggplus_record_key, stamp_message_id
+from fedsim.flower.compat import act_as_superlink, from_the_link, secaggplus_record_key, stamp_message_id
 
 
 class LocalGrid(Grid):

@@ -1,0 +1,281 @@
+"""The round driver: everything a round is made of that is not a message, with no Flower inside.
+
+A round protocol's server side (fedsim/server/exchange.py and its kin) asks the driver which
+clients a round samples and what each one is told (`open_round`), hands it the update batch its
+replies made (`aggregate`: server-side attack, defenses and rule in the pipeline, then the server
+optimizer and the low-rank switch), and the Flower strategy (fedsim/server/strategy.py) only
+connects the two. The driver also keeps what must survive a restart: the global model, the
+pipeline's and optimizer's state, the backdoor report the evaluation follows; `checkpoint` writes
+them each round and `resume_from` reads them back. The local-DP ledger and the schedule's "rounds
+since attack" replay earlier rounds by re-sampling them (sampling is seeded per round), so a
+resumed run counts exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fedsim.attacks.schedules import sample_round
+from fedsim.devices import deterministic_switches_on, resolve_device
+from fedsim.lowrank.switch import LowRankSwitch
+from fedsim.privacy.local import LocalPrivacyLedger
+from fedsim.runs.checkpoint import save_server
+from fedsim.runs.detection import round_detection
+from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
+from fedsim.server.evaluation import CentralEvaluator
+from fedsim.server.optimizer import ServerOptimizer
+from fedsim.server.pipeline import RoundPipeline
+from fedsim.server.record import RoundRecord
+from fedsim.server.tools import ServerTools
+from fedsim.updates import RoundContext, UpdateBatch
+
+
+@dataclass
+class RoundPlan:
+    """One round as the driver opened it: who trains, in which order, on which shard, told what."""
+
+    round: int
+    sampled: list[int]
+    strikers: list[int]  # the sampled attackers that strike this round
+    groups: list[list[int]] = field(default_factory=list)  # group rules (DETOX): the sampled clients' groups
+    order: list[int] = field(default_factory=list)  # the order the messages go out in (largest first)
+    configs: dict[int, dict] = field(default_factory=dict)  # client -> what its training message says
+
+
+class SwitchingModel:
+    """The global model as one flat vector, factorized once if the scenario's low-rank scheme says so."""
+
+    def __init__(self, runtime) -> None:
+        self.lowrank = LowRankSwitch(runtime, runtime.scenario.lowrank)
+        self.vec = self.lowrank.start(runtime.initial_weights())
+
+    def layout(self):
+        return self.lowrank.layout()
+
+    def module(self) -> torch.nn.Module:
+        return self.lowrank.model(self.vec)
+
+    def after_round(self, rnd: int) -> dict | None:
+        """Factorize now if the scheme says so; returns the switch's report, else None."""
+        self.vec, switch = self.lowrank.after_round(rnd, self.vec)
+        return switch
+
+    def config(self) -> dict:
+        """What every training message must say about the model's shape."""
+        return {"model-ranks": json.dumps(self.lowrank.ranks, sort_keys=True)} if self.lowrank.ranks else {}
+
+    def state_dict(self) -> dict:
+        return self.lowrank.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lowrank.load_state_dict(state)
+
+
+class RoundDriver:
+    """Sampling, schedules, groups, message order, the DP ledger, the global model and its server
+    step, checkpoints and resume: the parts of a round every protocol shares."""
+
+    def __init__(self, runtime, checkpoint_to=None, largest_first: bool = True, update_pipeline: bool = True) -> None:
+        self.rt, self.scenario = runtime, runtime.scenario
+        if self.scenario.deterministic:  # process-wide, before the server's first CUDA use (docs/gpu.md)
+            deterministic_switches_on()
+        self.device = resolve_device(self.scenario.server.device, "server.device")  # the defenses' and rule's
+        self.checkpoint_to = checkpoint_to  # the run folder whose checkpoint/ gets the server's state each round
+        self.largest_first = largest_first
+        self.offset = 0  # rounds completed before this start (a resumed run)
+        # attack, defenses, rule (a protocol that builds the model otherwise, FedMA's matching, has none)
+        self.pipeline = RoundPipeline(self.scenario, runtime.attack) if update_pipeline else None
+        self.server_opt = ServerOptimizer(self.scenario.server)  # how the aggregate moves the global model
+        self.model = SwitchingModel(runtime)
+        self.tools = ServerTools(runtime, self.model.lowrank.model)  # the server's own data and training (FLTrust)
+        self.evaluator = CentralEvaluator(runtime, reference=self.model.module())  # the clean initial model
+        self.pending = RoundRecord(0)  # this round's facts, written when the round closes
+        self.plan: RoundPlan | None = None
+        self.started = time.perf_counter()  # when this round opened
+        self.timing: dict[int, dict[str, float]] = {}  # round -> seconds spent per step (logged)
+        # (attacker id, report) whose trigger this round's evaluation measures
+        self.report: tuple[int, dict] | None = None
+        self._last_attack_round: int | None = None  # see rounds_since_attack
+        self._looked_back = False
+        local_dp = self.scenario.federation.local_dp  # each client's own ε under local DP, counted here
+        self.local_privacy = LocalPrivacyLedger(local_dp, self.scenario.federation.num_clients) if local_dp else None
+        self._counted_round = 0  # the ledger holds rounds 1.._counted_round
+
+    # --- the global model ------------------------------------------------------------------------
+    @property
+    def global_vec(self) -> torch.Tensor:
+        return self.model.vec
+
+    @global_vec.setter
+    def global_vec(self, vec: torch.Tensor) -> None:
+        self.model.vec = vec
+
+    @property
+    def layout(self):
+        """The current model layout (it changes if the model is factorized or its layers grow)."""
+        return self.model.layout()
+
+    def global_model(self) -> torch.nn.Module:
+        """The current global model as a module (what the server evaluates)."""
+        return self.model.module()
+
+    # --- opening a round -------------------------------------------------------------------------
+    def sample(self, rnd: int) -> tuple[list[int], list[int]]:
+        """This round's clients and, among them, the attackers that strike (seeded by the round)."""
+        fed = self.scenario.federation
+        rng = numpy_rng(self.scenario.seed, SAMPLE, rnd)
+        if self.scenario.attack is not None:
+            return sample_round(self.scenario.attack.schedule, rnd, fed.num_clients, fed.clients_per_round,
+                                self.rt.attackers, rng)
+        return sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
+
+    def rounds_since_attack(self, rnd: int, attacked: bool) -> int | None:
+        """Rounds since the last round with an attacker (0 now, None before any). The schedule is
+        seeded per round, so after a resume the last attack round is found by sampling back."""
+        if self._last_attack_round is None and rnd > 1 and not self._looked_back:
+            self._looked_back = True
+            self._last_attack_round = next((r for r in range(rnd - 1, 0, -1) if self.sample(r)[1]), None)
+        if attacked:
+            self._last_attack_round = rnd
+        return None if self._last_attack_round is None else rnd - self._last_attack_round
+
+    def groups(self, sampled: list[int]) -> tuple[list[list[int]], dict[int, int]]:
+        """For group rules (DETOX): consecutive groups of r sampled clients and, with redundancy, the
+        shard each member trains on (its group's first member's), so honest members of a group
+        compute bit-identical updates."""
+        if self.pipeline is None or not self.pipeline.needs_groups:
+            return [], {}
+        spec = self.scenario.aggregator
+        r = spec.group_size
+        starts = list(range(0, max(len(sampled) - r + 1, 1), r))
+        groups = [sampled[s : s + r] for s in starts]
+        groups[-1] = sampled[starts[-1] :]  # the last group absorbs the leftovers
+        shard_of = {p: g[0] for g in groups for p in g} if spec.redundancy else {}
+        return groups, shard_of
+
+    def longest_first(self, sampled: list[int], shard_of: dict[int, int]) -> list[int]:
+        """The sampled clients, largest partition first (ties by id): the order the messages are created
+        and so delivered in. The simulation's actors take messages in that order as they free up, so
+        the largest jobs start first and the round does not end with one actor training a big client
+        while the others idle (longest-processing-time-first scheduling). Results do not depend on it:
+        updates are aggregated in partition-id order."""
+        if not self.largest_first:
+            return list(sampled)
+        parts = self.rt.partitions
+        return sorted(sampled, key=lambda p: (-len(parts[shard_of.get(p, p)]), p))
+
+    def open_round(self, rnd: int) -> RoundPlan:
+        """Sample round `rnd`, decide every client's instructions and start its record."""
+        self.started = time.perf_counter()
+        self.report = None
+        sampled, strikers = self.sample(rnd)
+        attack = self.rt.attack
+        client_strikers = strikers if attack is not None and attack.side == "client" else []
+        groups, shard_of = self.groups(sampled)
+        plan = RoundPlan(rnd, sampled, strikers, groups, self.longest_first(sampled, shard_of))
+        if client_strikers:  # what Attack of the Tails' replacement attacker is assumed to know
+            total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
+        shape = self.model.config()
+        for pid in plan.order:
+            cfg = {"server-round": rnd, "lr": self.rt.lr(rnd), **shape}
+            if pid in shard_of:
+                cfg["data-partition"] = shard_of[pid]
+            if pid in client_strikers:
+                cfg["round_total_examples"] = total_examples
+            plan.configs[pid] = cfg
+        self.pending = RoundRecord(rnd, sampled, strikers)
+        if groups:
+            self.pending.groups = groups
+        if self.scenario.attack is not None:
+            self.pending.rounds_since_attack = self.rounds_since_attack(rnd, bool(strikers))
+        if self.local_privacy is not None:
+            for earlier in range(self._counted_round + 1, rnd):  # sampling is seeded per round: replayable
+                self.local_privacy.count(self.sample(earlier)[0])
+            self.local_privacy.count(sampled)
+            self._counted_round = rnd
+            self.pending.local_privacy = self.local_privacy.report()
+        self.plan = plan
+        return plan
+
+    def take_backdoor_report(self, pid: int, shared: dict | None) -> None:
+        """An attacker's report of the trigger it planted: the backdoor is measured with the report of
+        the round's attacker with the lowest id (deterministic whatever the arrival order)."""
+        if shared is not None and (self.report is None or pid < self.report[0]):
+            self.report = (pid, shared)
+
+    # --- closing a round's aggregation -----------------------------------------------------------
+    def run_pipeline(self, batch: UpdateBatch, strikers: set, groups):
+        """The round's pipeline (attack, defenses, rule) on `server.device`, timed into the pending
+        round's record with its defenses' reports; the global model stays on CPU. Returns the batch as
+        the pipeline saw it (on that device) and the outcome."""
+        if self.device.type != "cpu":
+            batch = UpdateBatch(batch.updates.to(self.device), batch.weights.to(self.device), batch.client_ids)
+        rnd = self.pending.round
+        ctx = RoundContext(rnd, self.global_vec.to(self.device), self.layout,
+                           torch_generator(self.scenario.seed, SERVER, rnd), tools=self.tools)
+        started = time.perf_counter()
+        outcome = self.pipeline.run(batch, strikers, ctx, groups)
+        self.pending.pipeline_seconds = time.perf_counter() - started
+        self.pending.defenses = outcome.defenses
+        return batch, outcome
+
+    def aggregate(self, batch: UpdateBatch, strikers: set[int], groups=None, audit: bool = True) -> bool:
+        """Run the pipeline on the round's batch and step the global model with its aggregate; what
+        happened goes into the pending record. `audit`: the rows are clients' own updates (the
+        detection audit means something); under secure aggregation they are group sums.
+        Returns whether the round was aggregated (False: skipped, with the reason recorded)."""
+        record = self.pending
+        batch, outcome = self.run_pipeline(batch, strikers, groups)
+        if outcome.attack is not None:  # the attackers' norms are those of the updates the attack crafted
+            crafted = outcome.attack.pop("norms")
+            record.attacker_update_norms = {**record.attacker_update_norms, **crafted}
+            record.attack = outcome.attack
+        if outcome.aggregator is not None:
+            record.aggregator = outcome.aggregator
+        if audit:
+            record.detection = round_detection(list(batch.client_ids), strikers, outcome.aggregated, outcome.aggregator,
+                                               outcome.defenses, outcome.weights)
+        if outcome.skipped is not None:
+            record.skipped = outcome.skipped
+            return False
+        if audit:
+            record.aggregated = outcome.aggregated
+        self.global_vec = self.server_opt.step(self.global_vec, outcome.aggregate.cpu(), record.round)
+        record.global_norm = float(torch.linalg.vector_norm(self.global_vec))
+        switch = self.model.after_round(record.round)
+        if switch is not None:  # the model was factorized: last round's aggregate no longer fits it
+            record.lowrank = switch
+            self.pipeline.previous_aggregate = None
+        record.model_params = self.layout.dim
+        return True
+
+    # --- what survives a restart -----------------------------------------------------------------
+    def checkpoint(self, rnd: int) -> None:
+        if self.checkpoint_to is None:
+            return
+        extra = {**self.model.state_dict(), "server_optimizer": self.server_opt.state_dict()}
+        if self.pipeline is not None:
+            extra["pipeline"] = self.pipeline.history()
+        if self.evaluator.shared is not None:  # the trigger the backdoor is measured with
+            extra["backdoor_report"] = {k: torch.from_numpy(np.array(v)) for k, v in self.evaluator.shared.items()}
+        defenses = self.pipeline.state_dict() if self.pipeline is not None else {}
+        save_server(self.checkpoint_to, rnd, self.global_vec, defenses, extra)
+
+    def resume_from(self, state: dict) -> None:
+        """Continue after the checkpointed round: its global model, defense and optimizer states."""
+        self.offset = int(state["round"])
+        extra = state.get("extra", {})
+        self.model.load_state_dict(extra)
+        if self.pipeline is not None:
+            self.pipeline.load_history(extra.get("pipeline", {}))
+            self.pipeline.load_state_dict(state["defenses"])
+        self.server_opt.load_state_dict(extra.get("server_optimizer", {}))
+        self.global_vec = state["global"].clone()
+        shared = extra.get("backdoor_report")
+        if shared:
+            self.evaluator.use_shared({k: v.numpy() for k, v in shared.items()})

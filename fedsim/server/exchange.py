@@ -1,0 +1,155 @@
+"""A round protocol's server side, and the plain protocol's.
+
+Every protocol registered in fedsim.registry.PROTOCOLS names an exchange class with one calling
+convention, which the strategy (fedsim/server/strategy.py) calls once per round:
+
+    exchange = Exchange(driver, node_of)        # the round driver (fedsim/server/driver.py)
+    messages = exchange.configure(plan, grid)   # messages out for the round the driver opened
+    count = exchange.aggregate(replies)         # replies in -> the global model stepped; None: skipped
+    exchange.arrays()                           # the global model as the clients receive it
+
+`plain`: one TRAIN message per sampled client; each reply is decoded and checked (untrusted
+input), the accepted updates are stacked in partition-id order and handed to the driver, which
+runs the pipeline (server-side attack, defenses, rule) and the server step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedsim.compression.base import PayloadError
+from fedsim.server.driver import RoundDriver, RoundPlan
+from fedsim.server.pipeline import update_norms
+from fedsim.updates import UpdateBatch
+from fedsim.wire import attacker_train_seconds, decode_upload, message_bytes, pack_model, records_bytes, shared_backdoor_state
+
+log = logging.getLogger("fedsim")
+
+
+class ReplyOwners:
+    """Which client a reply belongs to: the client of the message it answers (`reply_to_message_id`).
+
+    Not its `src_node_id`: a SuperLink answers for a node it has marked offline with an error reply
+    from its own node id, which would put the failure under a client that does not exist and leave
+    the dead client with a false timeout. The grid gives each message its id when it pushes it, so
+    the map is read after sending. A reply whose message id is unknown (a grid that sets none)
+    falls back to its source node."""
+
+    def __init__(self, sent: list[tuple[Message, int]], node_of: dict[int, int]) -> None:
+        self.sent = sent
+        self.node_pid = {node: pid for pid, node in node_of.items()}
+        self._by_id: dict[str, int] | None = None
+
+    def __call__(self, reply: Message) -> int:
+        if self._by_id is None:
+            self._by_id = {m.metadata.message_id: pid for m, pid in self.sent if m.metadata.message_id}
+        pid = self._by_id.get(reply.metadata.reply_to_message_id)
+        return pid if pid is not None else self.node_pid.get(reply.metadata.src_node_id, -1)
+
+
+class PlainExchange:
+    """One exchange a round: the model out to every sampled client, its encoded update back."""
+
+    def __init__(self, driver: RoundDriver, node_of: dict[int, int]) -> None:
+        self.driver, self.node_of = driver, node_of
+        self.owner = ReplyOwners([], node_of)
+        self.sent_at = time.perf_counter()  # when this round's messages were handed to Flower
+
+    def arrays(self) -> ArrayRecord:
+        return pack_model(self.driver.global_vec, self.driver.layout)
+
+    def configure(self, plan: RoundPlan, grid: Grid) -> list[Message]:
+        driver = self.driver
+        model_record = self.arrays()
+        model_bytes = records_bytes({"arrays": model_record})  # the same model goes to everyone: size it once
+        sent, down_per_client = [], {}
+        for pid in plan.order:
+            config_record = ConfigRecord(plan.configs[pid])
+            msg = Message(RecordDict({"arrays": model_record, "config": config_record}),
+                          dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN)
+            down_per_client[pid] = model_bytes + records_bytes({"config": config_record})
+            sent.append((msg, pid))
+        self.owner = ReplyOwners(sent, self.node_of)
+        driver.pending.bytes_down = sum(down_per_client.values())
+        driver.pending.bytes_down_per_client = down_per_client
+        self.sent_at = time.perf_counter()
+        driver.timing[plan.round] = {"encode": self.sent_at - driver.started}
+        return [msg for msg, _ in sent]
+
+    def aggregate(self, replies: list[Message]) -> int | None:
+        driver, record = self.driver, self.driver.pending
+        t_start = time.perf_counter()
+        timing = driver.timing.setdefault(record.round, {})
+        timing["waiting_for_clients"] = t_start - self.sent_at
+        rows, rejected, up, losses = self.decode(replies)
+        timing["decode"] = time.perf_counter() - t_start
+        fed = driver.scenario.federation
+        answered = {self.owner(m) for m in replies}
+        for pid in record.sampled:
+            if pid not in answered:  # a node that died or timed out: the round goes on without it
+                rejected[pid] = f"no reply within federation.round_timeout={fed.round_timeout}s"
+        record.update({"bytes_up": up, "rejected": rejected, "defenses": {}, "skipped": None})
+        record.train_loss = (sum(losses[p] for p in sorted(losses)) / len(losses)) if losses else None
+        batch = UpdateBatch(
+            torch.stack([u for _, u, _ in rows]) if rows else torch.zeros(0, driver.layout.dim),
+            torch.tensor([w for _, _, w in rows], dtype=torch.float32),
+            tuple(pid for pid, _, _ in rows),
+        )
+        record.attacker_update_norms, record.honest_update_norm_median = update_norms(batch, set(record.attackers))
+        if len(rows) < fed.min_replies:
+            record.skipped = f"{len(rows)} valid updates, fewer than federation.min_replies={fed.min_replies}"
+            log.warning("round %s skipped: %s", record.round, record.skipped)
+            return None
+        if not driver.aggregate(batch, set(record.attackers), record.groups or None):
+            log.warning("round %s skipped: %s", record.round, record.skipped)
+            return None
+        timing["aggregate"] = time.perf_counter() - t_start - timing["decode"]
+        return len(rows)
+
+    def decode(self, replies: list[Message]) -> tuple[list, dict, int, dict]:
+        """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes, losses."""
+        driver, record = self.driver, self.driver.pending
+        rows, rejected, up, losses = [], {}, 0, {}
+        up_per_client = record.bytes_up_per_client = {}
+        train_seconds = {}
+        for reply in replies:
+            pid = self.owner(reply)
+            if reply.has_error():
+                rejected[pid] = f"client error: {reply.error.reason}"
+                continue
+            try:
+                size = message_bytes(reply)
+                up += size
+                up_per_client[pid] = size
+                update, weight, loss = decode_upload(reply.content, driver.rt.codec, driver.layout)
+            except PayloadError as err:
+                rejected[pid] = str(err)
+                log.warning("round %s: rejected upload from client %s: %s", record.round, pid, err)
+                continue
+            losses[pid] = loss
+            rows.append((pid, update, weight))
+            if pid in record.attackers:
+                take_backdoor_report(driver, pid, reply)
+                seconds = attacker_train_seconds(reply.content)
+                if seconds is not None:
+                    train_seconds[pid] = seconds
+        rows.sort(key=lambda r: r[0])  # aggregation independent of arrival order
+        if train_seconds:
+            record.attacker_train_seconds = dict(sorted(train_seconds.items()))
+        return rows, rejected, up, losses
+
+
+def take_backdoor_report(driver: RoundDriver, pid: int, reply: Message) -> None:
+    """An attacker's reply may carry the trigger it planted (an untrusted report: a malformed one
+    is ignored with a warning); the driver keeps the lowest attacker id's."""
+    try:
+        shared = shared_backdoor_state(reply.content, driver.layout)
+    except PayloadError as err:
+        log.warning("round %s: ignored the backdoor report of attacker %s: %s", driver.pending.round, pid, err)
+        return
+    driver.take_backdoor_report(pid, shared)
