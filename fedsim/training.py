@@ -26,7 +26,23 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class SGD:
+class _Functional:
+    """What fedsim's optimizers share: their parameters, `param_groups` for torch.amp.GradScaler
+    (fp16), and which parameters have a gradient this step (a frozen one has none: skipped)."""
+
+    def __init__(self, params) -> None:
+        self.params = list(params)
+        self.param_groups = [{"params": self.params}]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def live(self) -> list[int]:
+        return [i for i, p in enumerate(self.params) if p.grad is not None]
+
+
+class SGD(_Functional):
     """torch's SGD (momentum, weight decay) through its functional form (`torch.optim.sgd.sgd`).
 
     The same update as `torch.optim.SGD`, bit for bit (tested), without the `Optimizer` class,
@@ -36,18 +52,13 @@ class SGD:
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
-        self.params = [p for p in params]
+        super().__init__(params)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
-        self.param_groups = [{"params": self.params}]  # what torch.amp.GradScaler unscales (fp16)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        live = self.live()
         buffers = [self.buffers[i] for i in live]
         torch_sgd(
             [self.params[i] for i in live], [self.params[i].grad for i in live], buffers,
@@ -59,27 +70,22 @@ class SGD:
                 self.buffers[i] = buf
 
 
-class Adam:
+class Adam(_Functional):
     """torch's Adam (Kingma & Ba; no weight decay, no amsgrad) with its multi-tensor (`_foreach`)
     ops, the same update as `torch.optim.Adam`, bit for bit (tested), without the `Optimizer` class
     (see `SGD` for why). Like `torch.optim.Adam`, a parameter without a gradient is skipped, and
     each parameter counts its own steps for the bias corrections."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        self.params = list(params)
+        super().__init__(params)
         self.lr, (self.b1, self.b2), self.eps = lr, betas, eps
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
         self.steps = [0] * len(self.params)
-        self.param_groups = [{"params": self.params}]  # what torch.amp.GradScaler unscales (fp16)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        live = self.live()
         if not live:
             return
         params, grads = [self.params[i] for i in live], [self.params[i].grad for i in live]

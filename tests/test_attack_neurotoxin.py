@@ -8,19 +8,15 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import run_local
 
 from fedsim.attacks.base import AttackerRound, attacker_train_config
 from fedsim.attacks.nested import OUTER_FIELDS
 from fedsim.attacks.neurotoxin import MEMORY_KEY, bottom_k, bottom_k_masks
 from fedsim.cli import main
-from fedsim.client.app import make_client_app
 from fedsim.client.steps import local_update
-from fedsim.flower.local_grid import LocalGrid
-from fedsim.runs.folder import RunFolder
-from fedsim.runs.results import read_rounds
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError, load_scenario, validate_scenario
-from fedsim.server.app import run_server
 from fedsim.training import TrainConfig
 
 
@@ -253,10 +249,8 @@ def test_an_attacker_round_through_local_update_moves_only_masked_coordinates():
 
 
 def run(tmp_path, attack):
-    scen = scenario(attack, num_clients=5, clients_per_round=3)
-    run_dir = RunFolder.create(scen, tmp_path).path
-    summary = run_server(LocalGrid(make_client_app(scen), scen.federation.num_clients), scen, run_dir)
-    return read_rounds(run_dir), summary
+    done = run_local(scenario(attack, num_clients=5, clients_per_round=3), tmp_path)
+    return done.rounds, done.summary
 
 
 EVERY = {"name": "every_round"}

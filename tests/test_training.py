@@ -19,21 +19,35 @@ def small_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
 
 
-@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.9, 0.0), (0.9, 1e-4), (0.0, 5e-3)])
-def test_sgd_equals_torch_sgd_bit_for_bit(momentum, weight_decay):
-    """Same steps on the same batches, with a frozen layer (no gradient: skipped by both)."""
+def frozen_pair() -> tuple[nn.Module, nn.Module]:
+    """Two copies of the small net with the first layer frozen (no gradient: skipped by both optimizers)."""
     ours, theirs = small_net(), small_net()
     for net in (ours, theirs):
         net[0].weight.requires_grad_(False)
-    opt_ours = SGD(ours.parameters(), lr=0.05, momentum=momentum, weight_decay=weight_decay)
-    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    return ours, theirs
+
+
+def step_both(pairs, steps: int = 7, skip_bias_every: int | None = None) -> None:
+    """The same `steps` batches through each (net, optimizer); with `skip_bias_every`, the last bias
+    has no gradient on every such step (a parameter that misses steps)."""
     gen = torch.Generator().manual_seed(1)
-    for _ in range(7):
+    for step in range(steps):
         x, y = torch.randn(5, 1, 8, 8, generator=gen), torch.randint(0, 3, (5,), generator=gen)
-        for net, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+        for net, opt in pairs:
             opt.zero_grad()
             nn.functional.cross_entropy(net(x), y).backward()
+            if skip_bias_every is not None and step % skip_bias_every == 1:
+                net[3].bias.grad = None
             opt.step()
+
+
+@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.9, 0.0), (0.9, 1e-4), (0.0, 5e-3)])
+def test_sgd_equals_torch_sgd_bit_for_bit(momentum, weight_decay):
+    """Same steps on the same batches, with a frozen layer (no gradient: skipped by both)."""
+    ours, theirs = frozen_pair()
+    opt_ours = SGD(ours.parameters(), lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    step_both(((ours, opt_ours), (theirs, opt_theirs)))
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(a, b)
     assert torch.equal(ours[0].weight, small_net()[0].weight)  # the frozen layer did not move
@@ -44,19 +58,9 @@ def test_sgd_equals_torch_sgd_bit_for_bit(momentum, weight_decay):
 def test_adam_equals_torch_adam_bit_for_bit():
     """Same steps on the same batches, with a frozen layer and a parameter that misses some steps
     (torch counts steps per parameter for the bias corrections, and so does Adam)."""
-    ours, theirs = small_net(), small_net()
-    for net in (ours, theirs):
-        net[0].weight.requires_grad_(False)
+    ours, theirs = frozen_pair()
     opt_ours, opt_theirs = Adam(ours.parameters(), lr=0.01), torch.optim.Adam(theirs.parameters(), lr=0.01, foreach=True)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(7):
-        x, y = torch.randn(5, 1, 8, 8, generator=gen), torch.randint(0, 3, (5,), generator=gen)
-        for net, opt in ((ours, opt_ours), (theirs, opt_theirs)):
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(x), y).backward()
-            if step % 3 == 1:
-                net[3].bias.grad = None
-            opt.step()
+    step_both(((ours, opt_ours), (theirs, opt_theirs)), skip_bias_every=3)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(a, b)
     assert torch.equal(ours[0].weight, small_net()[0].weight)
