@@ -5,7 +5,7 @@ wrapped or replaced, and restored afterwards:
 
 * node registration: the engine's node id -> partition id map is recorded, so the ServerApp
   takes it from there instead of sending every registered node a QUERY (200 messages and several
-  seconds at start-up for 200 clients; deployment still asks, see ScenarioStrategy.discover_nodes);
+  seconds at start-up for 200 clients; deployment still asks, see fedsim/server/nodes.py);
 * message delivery: Flower's loop asks the link state for each registered node's messages every
   0.1 s, and every ask scans every stored message: O(nodes x messages) Python work per sweep
   under the GIL. With 10,000 registered clients and 100 messages in flight that is a million

@@ -20,7 +20,7 @@ class EngineOptions:
     queue_wait_seconds: float = 0.05  # the engine's workers wait up to 1 s on an empty queue (Flower)
     stop_grace_seconds: float = 20.0  # after an interrupt: time the ServerApp may take to write its last round
     reply_poll_seconds: float = 0.01  # the in-memory grid looks for replies every 0.1 s (Flower)
-    # server (fedsim/server/strategy.py)
+    # server (fedsim/server/nodes.py, fedsim/server/driver.py, fedsim/server/closing.py)
     known_simulation_nodes: bool = True  # node -> partition map from the engine: no QUERY per node
     largest_first: bool = True  # the round's messages go out largest client first
     overlap_evaluation: bool | None = None  # force evaluation.overlap on/off (None: the scenario decides)

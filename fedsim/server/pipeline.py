@@ -3,10 +3,10 @@
     server-side attack -> each defense's `before` -> the aggregation rule -> each defense's `after`
 
 Pure apart from the defenses' own state (FoolsGold's history, ...) and a stateful server-side
-attack's (mimic's direction estimate), which it holds and checkpoints. The strategy
-(fedsim/server/strategy.py) decodes the replies into an `UpdateBatch`, calls `RoundPipeline.run`
-and writes the `RoundOutcome` into the round's record. Tests and benchmarks call it directly on
-tensors.
+attack's (mimic's direction estimate), which it holds and checkpoints. A round protocol's
+exchange (fedsim/server/exchange.py) decodes the replies into an `UpdateBatch`; the round driver
+(fedsim/server/driver.py) calls `RoundPipeline.run` and writes the `RoundOutcome` into the
+round's record. Tests and benchmarks call it directly on tensors.
 """
 
 from __future__ import annotations
