@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from conftest import quick_scenario
 
 from fedsim.attacks.a3fl import (
     SEARCH, A3FL, A3FLParams, adapted_model, mean_cosine, patch_mask, search_trigger, similarity_layers,
@@ -29,7 +30,7 @@ from fedsim.runs.checkpoint import load_server
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import read_rounds
 from fedsim.runtime import Runtime
-from fedsim.scenario import ScenarioError, validate_scenario
+from fedsim.scenario import ScenarioError
 from fedsim.seeding import derive_seed
 from fedsim.server.app import run_server
 from fedsim.training import TrainConfig, evaluate, predict, train
@@ -50,10 +51,9 @@ def one_thread():
 def scenario(attack: dict, seed: int = 0, **federation):
     fed = {"num_clients": 8, "clients_per_round": 4, "rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.1,
            "momentum": 0.9}
-    return validate_scenario(
-        {"name": "a3fl", "seed": seed, "data": {"dataset": "digits", "partition": "iid"},
-         "model": {"name": "mlp", "hidden": [32]},
-         "federation": {**fed, **federation}, "attack": {"name": "a3fl", "attacker_ids": [PID], **attack}}
+    return quick_scenario(
+        name="a3fl", seed=seed, data={"dataset": "digits", "partition": "iid"}, model={"name": "mlp", "hidden": [32]},
+        federation={**fed, **federation}, attack={"name": "a3fl", "attacker_ids": [PID], **attack}
     )
 
 

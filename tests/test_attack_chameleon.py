@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from torch import nn
+from conftest import quick_scenario
 
 from fedsim.attacks.base import AttackerRound, ClientAttack, attacker_train_config
 from fedsim.attacks.chameleon import (
@@ -44,9 +45,8 @@ TRIGGER = {"name": "trigger", "size": 2, "target_class": 9, "poison_fraction": 0
 def scenario(attack: dict, hidden=(32,), **federation):
     fed = {"num_clients": 4, "clients_per_round": 2, "rounds": 3, "local_epochs": 2, "batch_size": 32, "lr": 0.1,
            "momentum": 0.9, **federation}
-    return validate_scenario({"name": "cham", "seed": 3, "data": {"dataset": "digits"},
-                              "model": {"name": "mlp", "hidden": list(hidden)}, "federation": fed,
-                              "attack": {"attacker_ids": [ATTACKER], **attack}})
+    return quick_scenario(name="cham", seed=3, model={"name": "mlp", "hidden": list(hidden)}, federation=fed,
+                          attack={"attacker_ids": [ATTACKER], **attack})  # QUICK's digits
 
 
 def chameleon(**params) -> dict:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import quick_scenario
 
 import fedsim.attacks.iba as iba
 from fedsim.attacks.base import AttackerRound, AttackParams, attacker_train_config
@@ -15,7 +16,7 @@ from fedsim.attacks.iba import (
     build_generator, decayed_eps, generator_arrays, neurotoxin_mask, train_generator, triggered,
 )
 from fedsim.runtime import Runtime
-from fedsim.scenario import ScenarioError, validate_scenario
+from fedsim.scenario import ScenarioError
 from fedsim.training import TrainConfig, train
 
 @pytest.fixture(autouse=True)
@@ -31,12 +32,11 @@ SMALL = {"generator_width": 4, "generator_epochs": 1, "generator_lr": 0.01}
 
 
 def scenario(seed=0, **attack):
-    return validate_scenario(
-        {"name": "iba", "seed": seed, "data": {"dataset": "digits"}, "model": {"name": "mlp", "hidden": [32]},
-         "federation": {"num_clients": 8, "clients_per_round": 4, "rounds": 3, "local_epochs": 1, "batch_size": 32,
-                        "lr": 0.1, "momentum": 0.0},
-         "attack": {"name": "iba", "attacker_ids": [1], **SMALL, **attack}}
-    )
+    return quick_scenario(
+        name="iba", seed=seed, model={"name": "mlp", "hidden": [32]},  # QUICK's digits
+        federation={"num_clients": 8, "clients_per_round": 4, "rounds": 3, "local_epochs": 1, "batch_size": 32,
+                    "lr": 0.1, "momentum": 0.0},
+        attack={"name": "iba", "attacker_ids": [1], **SMALL, **attack})
 
 
 def attack_round(rt, rnd, memory=None, global_vec=None, seed=None, epochs=1):

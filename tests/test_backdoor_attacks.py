@@ -8,25 +8,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import quick_scenario, run_local
 
 from fedsim.attacks.label_flip import LabelFlip, LabelFlipParams
 from fedsim.attacks.trigger import DBAParams, DistributedBackdoor, TriggerBackdoor, TriggerParams, choose_poisoned, stamp, trigger_mask
-from fedsim.client.app import make_client_app
 from fedsim.data.base import ArrayDataset
-from fedsim.runs.folder import RunFolder
-from fedsim.runs.results import read_rounds
 from fedsim.runtime import Runtime
-from fedsim.scenario import ScenarioError, validate_scenario
-from fedsim.server.app import run_server
-from fedsim.flower.local_grid import LocalGrid
+from fedsim.scenario import ScenarioError
 
 
 def scenario(attack, seed=0, **federation):
     fed = {"num_clients": 8, "clients_per_round": 4, "rounds": 3, "local_epochs": 2, "batch_size": 16, "lr": 0.1, "momentum": 0.9}
-    return validate_scenario(
-        {"name": "bd", "seed": seed, "data": {"dataset": "digits"}, "model": {"name": "mlp", "hidden": [64]},
-         "federation": {**fed, **federation}, "attack": attack}
-    )
+    return quick_scenario(name="bd", seed=seed, model={"name": "mlp", "hidden": [64]},
+                          federation={**fed, **federation}, attack=attack)  # QUICK's digits
 
 
 def cells(mask):
@@ -265,10 +259,8 @@ def test_numeric_scale_multiplies_and_default_keeps_the_update():
 
 # --------------------------------------------------------------------------- whole runs
 def run(tmp_path, attack, seed=0):
-    scen = scenario(attack, seed)
-    run_dir = RunFolder.create(scen, tmp_path).path
-    summary = run_server(LocalGrid(make_client_app(scen), scen.federation.num_clients), scen, run_dir)
-    return read_rounds(run_dir), summary
+    done = run_local(scenario(attack, seed), tmp_path)
+    return done.rounds, done.summary
 
 
 EVERY = {"name": "every_round"}
