@@ -3,6 +3,8 @@
 Components register themselves with a decorator that names them and gives the pydantic model of
 their parameters. The scenario schema, `fedsim list` and the README's component table are built
 from these registries, so a component cannot be usable in one place and missing from another.
+What callers must know of a component is declared with it as typed traits of its kind
+(`AggregatorTraits`, `ProtocolTraits`, ...), never asked of it by name elsewhere.
 """
 
 from __future__ import annotations

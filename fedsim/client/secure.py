@@ -97,7 +97,7 @@ def secure_train(call) -> tuple[Message, str]:
     rt = call.rt
     model_arrays, config = legacy_fit_ins(call.msg.content)
     layout = rt.layout_for(model_ranks(config))
-    trained = train_delta(call, model_from_arrays(model_arrays, layout), config, layout)
+    trained = train_delta(call, model_from_arrays(model_arrays, layout), config)
     delta = clip_before_masking(trained.delta, rt.scenario.secure_aggregation, attacking(rt, call.pid))
     trained.memory.keep(call.context, call.pid, int(config["server-round"]), call.state_dir,
                         trained.memory.codec_state(layout.dim), layout.dim)

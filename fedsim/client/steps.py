@@ -124,7 +124,7 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
     return LocalResult(layout.flatten_model(model) - global_vec, len(x), stats)
 
 
-def train_delta(call: ClientCall, global_vec: torch.Tensor, config, layout) -> Trained:
+def train_delta(call: ClientCall, global_vec: torch.Tensor, config) -> Trained:
     """Train from `global_vec` as this client (honest or attacker), then apply local DP to an
     honest update: the part of a training step every update protocol shares."""
     rt, pid = call.rt, call.pid
@@ -160,7 +160,7 @@ def plain_train(call: ClientCall) -> tuple[Message, str]:
     config = call.msg.content["config"]
     layout = call.rt.layout_for(model_ranks(config))
     global_vec = unpack_model(call.msg.content["arrays"], layout)
-    trained = train_delta(call, global_vec, config, layout)
+    trained = train_delta(call, global_vec, config)
     payload, codec_state = call.rt.codec.encode(trained.delta, layout, trained.memory.codec_state(layout.dim))
     trained.memory.keep(call.context, call.pid, int(config["server-round"]), call.state_dir, codec_state, layout.dim)
     metrics = MetricRecord({"num-examples": int(trained.result.num_examples),
