@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fedsim.aggregators.detox import consecutive_groups
 from fedsim.attacks.schedules import sample_round
 from fedsim.devices import deterministic_switches_on, resolve_device
 from fedsim.lowrank.switch import LowRankSwitch
@@ -151,10 +152,7 @@ class RoundDriver:
         if self.pipeline is None or not self.pipeline.needs_groups:
             return [], {}
         spec = self.scenario.aggregator
-        r = spec.group_size
-        starts = list(range(0, max(len(sampled) - r + 1, 1), r))
-        groups = [sampled[s : s + r] for s in starts]
-        groups[-1] = sampled[starts[-1] :]  # the last group absorbs the leftovers
+        groups = [[sampled[i] for i in g] for g in consecutive_groups(len(sampled), spec.group_size)]
         shard_of = {p: g[0] for g in groups for p in g} if spec.redundancy else {}
         return groups, shard_of
 
