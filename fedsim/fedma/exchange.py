@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim.fedma.matching import average_last_layer, bbp_map_match
@@ -36,7 +36,7 @@ from fedsim.seeding import SERVER, derive_seed
 from fedsim.server.record import RoundRecord
 from fedsim.server.exchange import ReplyOwners
 from fedsim.compression.base import PayloadError
-from fedsim.wire import MAX_EXAMPLES, check_loss, error_text, excerpt, message_bytes, pack_model, records_bytes
+from fedsim.wire import MAX_EXAMPLES, check_loss, error_text, excerpt, message_bytes, records_bytes
 
 log = logging.getLogger("fedsim")
 
@@ -106,9 +106,6 @@ class FedMAExchange:
         self.initial_params = num_params(self.model.state())
         self.grid: Grid | None = None
         self._exchange: list[tuple[Message, int]] = []  # the current exchange's messages and their clients
-
-    def arrays(self) -> ArrayRecord:
-        return pack_model(self.model.vec, self.model.layout())
 
     # --- exchange 0: local training ----------------------------------------------------------------
     def configure(self, plan, grid: Grid) -> list[Message]:

@@ -66,7 +66,7 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
         try:
             strategy.start(
                 grid=grid,
-                initial_arrays=strategy.initial_arrays(),
+                initial_arrays=strategy.arrays(),
                 num_rounds=fed.rounds - done,
                 timeout=fed.round_timeout,
                 evaluate_fn=strategy.end_round,

@@ -6,7 +6,6 @@ convention, which the strategy (fedsim/server/strategy.py) calls once per round:
     exchange = Exchange(driver, node_of)        # the round driver (fedsim/server/driver.py)
     messages = exchange.configure(plan, grid)   # messages out for the round the driver opened
     count = exchange.aggregate(replies)         # replies in -> the global model stepped; None: skipped
-    exchange.arrays()                           # the global model as the clients receive it
 
 `plain`: one TRAIN message per sampled client; each reply is decoded and checked (untrusted
 input), the accepted updates are stacked in partition-id order and handed to the driver, which
@@ -19,7 +18,7 @@ import logging
 import time
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim.compression.base import PayloadError
@@ -60,12 +59,9 @@ class PlainExchange:
         self.owner = ReplyOwners([], node_of)
         self.sent_at = time.perf_counter()  # when this round's messages were handed to Flower
 
-    def arrays(self) -> ArrayRecord:
-        return pack_model(self.driver.global_vec, self.driver.layout)
-
     def configure(self, plan: RoundPlan, grid: Grid) -> list[Message]:
         driver = self.driver
-        model_record = self.arrays()
+        model_record = pack_model(driver.global_vec, driver.layout)
         model_bytes = records_bytes({"arrays": model_record})  # the same model goes to everyone: size it once
         sent, down_per_client = [], {}
         for pid in plan.order:

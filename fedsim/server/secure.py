@@ -32,7 +32,7 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim.flower.compat import (SECAGG_STAGES, recorddict_size, run_secaggplus, secaggplus_record_key)
@@ -42,7 +42,7 @@ from fedsim.seeding import derive_seed
 from fedsim.server.record import RoundRecord
 from fedsim.server.exchange import take_backdoor_report
 from fedsim.updates import UpdateBatch
-from fedsim.wire import MEASUREMENT_RECORDS, pack_model
+from fedsim.wire import MEASUREMENT_RECORDS
 
 log = logging.getLogger("fedsim")
 
@@ -110,9 +110,6 @@ class SecureExchange(ABC):
         self.counter: CountingGrid | None = None
         self.server_seconds = 0.0
         self.max_weight = 0.0
-
-    def arrays(self) -> ArrayRecord:
-        return pack_model(self.driver.global_vec, self.driver.layout)
 
     @abstractmethod
     def run_group(self, grid, fit_ins: dict, rnd: int, max_weight: float, timeout: float):

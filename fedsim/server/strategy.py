@@ -23,6 +23,7 @@ from fedsim.runs.folder import RunFolder
 from fedsim.server.closing import RoundCloser
 from fedsim.server.driver import RoundDriver
 from fedsim.server.nodes import discover_nodes
+from fedsim.wire import pack_model
 
 log = logging.getLogger("fedsim")
 
@@ -47,8 +48,9 @@ class ScenarioStrategy(Strategy):
     def resume_from(self, state: dict) -> None:
         self.driver.resume_from(state)
 
-    def initial_arrays(self) -> ArrayRecord:
-        return self.exchange.arrays()
+    def arrays(self) -> ArrayRecord:
+        """The global model as Flower hands it from round to round (the exchanges send their own messages)."""
+        return pack_model(self.driver.global_vec, self.driver.layout)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         plan = self.driver.open_round(server_round + self.driver.offset)
@@ -58,7 +60,7 @@ class ScenarioStrategy(Strategy):
         aggregated = self.exchange.aggregate(list(replies))
         if aggregated is None:  # skipped: the record says why, the global model stays
             return None, None
-        return self.exchange.arrays(), MetricRecord({"num-updates": aggregated})
+        return self.arrays(), MetricRecord({"num-updates": aggregated})
 
     # --- no federated evaluation: the server evaluates centrally ------------------------------
     def configure_evaluate(self, server_round, arrays, config, grid):
