@@ -1,0 +1,1 @@
+"""Training many clients at once: one vectorised (torch.func) computation for a whole cohort."""
