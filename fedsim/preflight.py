@@ -41,9 +41,23 @@ def preflight(scenario, source: str = "<scenario>") -> None:
             field = "attack.edge_set" if hasattr(scenario.attack, "edge_set") else "attack"
             problems.append((field, str(err), scenario.attack.name))
     problems += tracking_problems(scenario)
+    problems += vectorize_problems(rt)
     problems += secure_aggregation_data_problems(rt)
     if problems:
         raise ScenarioError(source, problems)
+
+
+def vectorize_problems(rt) -> list[tuple[str, str, object]]:
+    """`federation.vectorize: on` for a model or protocol whose clients cannot train vectorised
+    (auto would train them one by one, saying why)."""
+    if rt.scenario.federation.vectorize != "on":
+        return []
+    from fedsim.client.cohort import cohort_refusal
+
+    reason = cohort_refusal(rt)
+    if reason is None:
+        return []
+    return [("federation.vectorize", f"honest clients cannot train vectorised here: {reason} (use auto or off)", "on")]
 
 
 def secure_aggregation_data_problems(rt) -> list[tuple[str, str, object]]:

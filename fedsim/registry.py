@@ -112,6 +112,7 @@ class ProtocolTraits:
     scenario_check: Callable | None = None  # scenario -> problems (field, reason, value), refused at validation
     individual_updates: bool = True  # the server sees each client's update (False: only secure sums)
     update_pipeline: bool = True  # its rounds end in an [n, d] batch for defenses and a rule (FedMA's: matching)
+    cohort_training: bool = False  # its client step trains through local_update: a cohort may train together (fedsim/client/cohort.py)
 
 
 @dataclass(frozen=True)

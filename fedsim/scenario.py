@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from fedsim.devices import DeviceName, GpuShare
 from fedsim.registry import (AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, PROTOCOLS,
@@ -107,6 +107,19 @@ class FederationSection(Section):
     )
     local_dp: LocalDPSection | None = Field(
         None, description="local differential privacy on the clients: {clip, noise_multiplier} (docs/privacy.md)")
+    vectorize: Literal["auto", "on", "off"] = Field(
+        "auto", description="train a worker's cohort of honest clients as one torch.func computation: auto (where the "
+        "model and protocol allow, else one by one with the reason logged), on (refused at validation where they do "
+        "not), off (one by one); docs/performance.md")
+    @field_validator("vectorize", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words they were."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    cohort_size: int | None = Field(
+        None, ge=1, le=MAX_CLIENTS, description="at most this many clients in one vectorised computation (memory bound; "
+        "default: the whole cohort on CPU, derived from free memory on a GPU)")
 
 
 class InitSection(Section):

@@ -82,7 +82,7 @@ def run_local(scenario, where: str | Path | RunFolder, *, grid=None, nodes: int 
     grid:          a grid of the test's own instead of the LocalGrid;
     nodes:         the LocalGrid's node count (default: federation.num_clients);
     client_states: clients keep their memory in the run folder's checkpoint/clients (as `fedsim run` does);
-    grid_options:  LocalGrid's tamper / fail / offline.
+    grid_options:  LocalGrid's tamper / fail / offline / cohorts.
     A `progress` callback that raises stops the run there (the exception propagates).
     """
     from fedsim.client.app import make_client_app

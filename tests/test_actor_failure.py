@@ -37,7 +37,9 @@ def test_a_client_whose_actor_dies_is_reported_and_the_rounds_go_on(tmp_path):
     """Partition 2's ClientApp kills its own Ray worker process (os._exit) every time it trains, and
     partition 4's only the first time. The task running when an actor dies is retried once on the
     restarted actor: partition 4 recovers, partition 2 dies again and is reported; both rounds
-    aggregate the other 5, and no other client's message is lost to the restarting actor."""
+    aggregate the other 5, and no other client's message is lost to the restarting actor. Messages go
+    to the actors in cohorts (fedsim/engine/cohorts.py): a cohort whose task dies is sent again one
+    message per task, so partition 2 costs its cohort one extra run, not its cohort's updates."""
     from failing_app import client_app_with_failures
 
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", [
@@ -60,5 +62,8 @@ def test_a_client_whose_actor_dies_is_reported_and_the_rounds_go_on(tmp_path):
     for r in rounds:
         assert set(r["rejected"]) == {"2"} and "actor" in r["rejected"]["2"].lower()
         assert r["aggregated"] == [0, 1, 3, 4, 5]
-    assert (crashes / "p2-crashed").read_text().split() == ["1", "1", "2", "2"]  # each round: run + one retry
+    # each round: partition 2 takes its cohort's task down (unless partition 4 did so first, in round 1),
+    # then alone it is run and retried once
+    runs = (crashes / "p2-crashed").read_text().split()
+    assert runs.count("1") in (2, 3) and runs.count("2") == 3 and len(runs) in (5, 6)
     assert (crashes / "p4-crashed").read_text().split() == ["1"]

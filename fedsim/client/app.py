@@ -25,22 +25,15 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedsim.client.cohort import prepare_cohort
 from fedsim.client.lightsecagg import lightsecagg_mod
 from fedsim.client.secure import secure_aggregation_mod
-from fedsim.client.steps import ClientCall, partition_id
+from fedsim.client.steps import ClientCall, partition_id, scenario_for_node
 from fedsim.flower.compat import flower_log as flwr_log
 from fedsim.registry import protocol_for
 from fedsim.runtime import runtime_for
 
 log = logging.getLogger("fedsim.client")
-
-
-def scenario_for_node(scenario, context: Context):
-    """A device may hold its data in its own folder: `--node-config 'data-dir="..."'` overrides data.dir."""
-    data_dir = context.node_config.get("data-dir")
-    if not data_dir:
-        return scenario
-    return scenario.model_copy(update={"data": scenario.data.model_copy(update={"dir": str(data_dir)})})
 
 
 def state_folder(context: Context, default: str | None) -> str | None:
@@ -57,6 +50,19 @@ def step_name(msg: Message) -> str:
     return "round ?"
 
 
+class CohortClientApp(ClientApp):
+    """Flower's ClientApp, plus `prepare_cohort`: what an actor (or the in-process grid) handed
+    several messages at once calls before answering them one by one (fedsim/client/cohort.py)."""
+
+    def __init__(self, scenario=None) -> None:
+        super().__init__()
+        self.scenario = scenario
+
+    def prepare_cohort(self, messages: list, contexts: list) -> None:
+        if self.scenario is not None:  # on a SuperNode each message comes alone
+            prepare_cohort(self.scenario, messages, contexts)
+
+
 def make_client_app(scenario=None, state_dir: str | Path | None = None) -> ClientApp:
     """A ClientApp for `scenario` (simulation), or reading it from the run config (deployment).
 
@@ -64,7 +70,7 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
     run folder's `checkpoint/clients` when checkpoints are on); a node's `state-dir` overrides it."""
     from fedsim.deploy.run_config import scenario_from_context
 
-    app = ClientApp()
+    app = CohortClientApp(scenario)
     # On a SuperNode (the scenario comes from the run config) the per-message lines go through
     # Flower's logger, the one the node prints; in simulation through fedsim's, quiet by default.
     say = flwr_log if scenario is None else log.log

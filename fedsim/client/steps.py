@@ -21,6 +21,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 
 from fedsim.attacks.base import AttackerRound, attacker_train_config
 from fedsim.client.memory import ClientMemory
+from fedsim.cohort.store import take_pretrained
 from fedsim.data.local import NODE_CONFIG_KEY as LOCAL_DATA
 from fedsim.devices import client_train_config
 from fedsim.privacy.local import privatize_release
@@ -48,6 +49,14 @@ class Trained(NamedTuple):
     memory: ClientMemory
     train_seconds: float
     local_data: bool  # trained on the device's own data
+
+
+def scenario_for_node(scenario, context: Context):
+    """A device may hold its data in its own folder: `--node-config 'data-dir="..."'` overrides data.dir."""
+    data_dir = context.node_config.get("data-dir")
+    if not data_dir:
+        return scenario
+    return scenario.model_copy(update={"data": scenario.data.model_copy(update={"dir": str(data_dir)})})
 
 
 def partition_id(context: Context) -> int:
@@ -107,6 +116,10 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
     ranks = model_ranks(config)
     layout = rt.layout_for(ranks)
     attack = rt.attack if attacking(rt, pid) else None
+    if attack is None and data is None:
+        done = take_pretrained(rt, rnd, pid, global_vec)  # trained with its cohort (fedsim/client/cohort.py)
+        if done is not None:
+            return done
     model = rt.build_model(ranks)
     layout.load_into(model, global_vec)
     cfg = TrainConfig(fed.local_epochs, fed.batch_size, rt.lr(rnd), fed.momentum, fed.weight_decay,

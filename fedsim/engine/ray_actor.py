@@ -40,6 +40,29 @@ class ClientAppRunner:
             raise ClientAppException(str(ex)) from ex
         return cid, out_message, context
 
+    def run_cohort(self, client_app_fn, messages: list, cids: list[str], contexts: list):
+        """Several messages in one task (fedsim/engine/cohorts.py): the ClientApp may first train the
+        cohort together (`prepare_cohort`), then answers each message as `run` would. Returns
+        (cids, per message its reply or the `ClientAppException` it raised, per message its context);
+        a ClientApp that cannot be loaded still raises `LoadClientAppError` for the whole task."""
+        ClientAppException, LoadClientAppError = flower_compat.actor_exceptions()
+        try:
+            app = client_app_fn()
+        except LoadClientAppError:
+            raise
+        except Exception as ex:
+            raise ClientAppException(str(ex)) from ex
+        prepare = getattr(app, "prepare_cohort", None)
+        if prepare is not None:
+            prepare(messages, contexts)  # never raises: a client it could not prepare trains alone
+        replies = []
+        for message, context in zip(messages, contexts):
+            try:
+                replies.append(app(message=message, context=context))
+            except Exception as ex:  # noqa: BLE001  (this client's failure is its reply; the others go on)
+                replies.append(ClientAppException(str(ex)))
+        return cids, replies, contexts
+
     def warm_up(self, scenario_json: str, key: str) -> str | None:
         """Import the client code and load the scenario's data now, before this actor's first
         message (a sweep asks while its own process is still importing, fedsim/engine/shared.py).
@@ -97,6 +120,11 @@ class CompactClientApp(ClientApp):
 
     def __call__(self, message, context):
         return _client_app(self.scenario_json, self.key, self.state_dir)(message, context)
+
+    def prepare_cohort(self, messages: list, contexts: list) -> None:
+        """Train the honest clients of a cohort together before their messages are answered
+        (fedsim/client/cohort.py decides who can, and logs why the others cannot)."""
+        _client_app(self.scenario_json, self.key, self.state_dir).prepare_cohort(messages, contexts)
 
 
 CLIENT_APPS_KEPT = 4  # ClientApps a worker process keeps: runs of a sweep in flight together share actors

@@ -14,6 +14,8 @@ wrapped or replaced, and restored afterwards:
 * actor shutdown: the client actors are killed with `ray.kill(no_restart=True)` rather than asked
   to exit through a task, which the restart policy below would otherwise report as a failed task
   to retry;
+* the engine's workers and what delivery hands them: each sweep's messages go out as one cohort
+  per worker, one actor task each, instead of one task per message (fedsim/engine/cohorts.py);
 * the actor class: fedsim's `ClientActor` (fedsim/engine/ray_actor.py), Flower's `ClientAppActor` defined
   in a module that is cheap to import in every actor;
 * Ray's start (a local one): Flower starts Ray with a job runtime environment (only PYTHONPATH,
@@ -53,6 +55,7 @@ from fedsim.engine import ray_start  # noqa: F401,I001  (first: it sets the envi
 from fedsim.devices import check_simulation_gpus
 from fedsim.flower import compat as flower_compat
 from fedsim.engine.allocator import apply_to_this_process
+from fedsim.engine.cohorts import WorkerCounts, cohort_worker, deliver_cohorts
 from fedsim.flower.stoppable_grid import RunStopped
 from fedsim.flower.options import EngineOptions
 from fedsim.engine.ray_actor import CompactClientApp, client_actor_class
@@ -194,8 +197,15 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
         NODE_MAPS.record(state_factory.state(), mapping)
         return mapping
 
+    light_actor = client_actor_class() if options.light_actor else None
+    cohorts = options.cohorts and light_actor is not None  # only fedsim's actor runs a cohort task
+    workers = WorkerCounts()
+
     def deliver(state, queue, nodes_mapping, f_stop):
         if options.fast_message_delivery and flower_compat.has_message_store(state):
+            if cohorts:
+                return deliver_cohorts(lambda: flower_compat.undelivered_messages(state, nodes_mapping), queue,
+                                       workers, f_stop, options.delivery_sweep_seconds)
             return deliver_messages(state, queue, nodes_mapping, f_stop, options.delivery_sweep_seconds)
         return flower["deliver"](state, queue, nodes_mapping, f_stop)
 
@@ -211,9 +221,10 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
                 "queue": prompt_stop_queue(options.queue_wait_seconds)}
     if options.prestarted_workers:
         adjusted["init_ray"] = start_local_ray(flower["init_ray"], after_ray_init, options.malloc_settings)
-    light_actor = client_actor_class() if options.light_actor else None
     if light_actor is not None:
         adjusted["actor_class"] = light_actor
+    if cohorts:
+        adjusted["worker"] = cohort_worker(workers)
     flower_compat.set_engine_members(adjusted)
     try:
         yield

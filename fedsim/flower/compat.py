@@ -6,8 +6,9 @@ all here, so that a Flower upgrade means reading one file and running one test
 (`tests/test_flower_compat.py`, which fails naming every probe that no longer holds):
 
 * `simulation-engine`: fedsim's simulation adjustments (fedsim/engine/simulate.py) replace or wrap,
-  through `set_engine_members` here, six members of Flower's simulation engine (node registration, message delivery, the worker
-  queues, actor shutdown and class, Ray's start). Fallback: the engine runs as shipped (correct,
+  through `set_engine_members` here, seven members of Flower's simulation engine (node registration, message delivery, the worker
+  queues and the workers themselves (cohorts: one actor task for several messages), actor shutdown and
+  class, Ray's start). Fallback: the engine runs as shipped (correct,
   slower at scale).
 * `actor-contract`: the exceptions Flower's client actors raise (`ClientAppException`,
   `LoadClientAppError`), which fedsim's lighter actor must raise too. Fallback: Flower's actor.
@@ -70,7 +71,8 @@ PROBES = {
         Probe("simulation-engine", "node map, one-scan delivery, prompt stop, light actors, Ray without a job runtime env",
               (f"{_VCE}:_register_nodes", f"{_VCE}:add_messages_to_queue", f"{_VCE}:Queue",
                f"{_RAYBACKEND}:ClientAppActor", f"{_RAYBACKEND}:RayBackend.init_ray",
-               f"{_POOL}:BasicActorPool.terminate_all_actors",
+               f"{_POOL}:BasicActorPool.terminate_all_actors", f"{_VCE}:worker", f"{_VCE}:VceMetrics",
+               "flwr.common.constant:ErrorCode", f"{_RAYBACKEND}:RayBackend.process_message",
                f"{_LINKSTATE}:InMemoryLinkState._check_stored_messages",
                f"{_LINKSTATE}:InMemoryLinkState.get_message_ins", "flwr.supercore.date:now"),
               "Flower's simulation engine as shipped"),
@@ -127,6 +129,7 @@ ENGINE_MEMBERS = {
     "actor_class": (_RAYBACKEND, "ClientAppActor"),
     "init_ray": (f"{_RAYBACKEND}:RayBackend", "init_ray"),
     "terminate_all_actors": (f"{_POOL}:BasicActorPool", "terminate_all_actors"),
+    "worker": (_VCE, "worker"),
 }
 
 
@@ -186,6 +189,39 @@ def grid_link_state(grid):
 
 
 # --- actor-contract -------------------------------------------------------------------------------
+def run_cohort_task(backend, messages: list, contexts: list) -> tuple[list, list]:
+    """What `RayBackend.process_message` does for one message, for a cohort of messages in one task
+    on one actor (`run_cohort`, fedsim/engine/ray_actor.py): (per message its reply or the exception
+    it raised, per message its updated context). An actor that dies fails the whole task; a task of
+    several messages is then not retried by Ray (the caller retries each message alone), a single
+    message is, as the actor's options say (fedsim/engine/ray_start.py client_resources)."""
+    if backend.pool is None or backend.app_fn is None:
+        raise ValueError("the Ray backend is not built: no actor pool to run a cohort on")
+    cids = [str(c.node_config["partition-id"]) for c in contexts]
+    retries = {} if len(messages) == 1 else {"max_task_retries": 0}
+
+    def submit(actor, app_fn, msgs, ids, ctxs):
+        return actor.run_cohort.options(**retries).remote(app_fn, msgs, ids, ctxs)
+
+    future = backend.pool.submit(submit, (backend.app_fn, messages, cids, contexts))
+    try:
+        return backend.pool.fetch_result_and_return_actor_to_pool(future)
+    except Exception:
+        backend.pool.add_actor_back_to_pool(future)  # as process_message does (a no-op once returned)
+        raise
+
+
+def error_code(ex: BaseException) -> int:
+    """The `ErrorCode` Flower's engine worker gives a reply whose ClientApp raised `ex`."""
+    codes = _get("flwr.common.constant:ErrorCode")
+    client_app_exception, load_error = actor_exceptions()
+    if isinstance(ex, client_app_exception):
+        return codes.CLIENT_APP_RAISED_EXCEPTION
+    if isinstance(ex, load_error):
+        return codes.LOAD_CLIENT_APP_EXCEPTION
+    return codes.UNKNOWN
+
+
 def actor_exceptions() -> tuple[type[Exception], type[Exception]]:
     """(ClientAppException, LoadClientAppError) as Flower's engine expects them from an actor."""
     require("actor-contract")
@@ -215,7 +251,8 @@ def act_as_superlink(run_id: int = 1) -> None:
 
 
 def stamp_message_id(message, message_id: str) -> None:
-    """Give a message the id a grid gives it when it is pushed (the in-process grid has no link)."""
+    """Give a message the id a grid gives it when it is pushed (the in-process grid has no link), or
+    the id the engine's worker gives a reply (fedsim/engine/cohorts.py)."""
     require("messages-outside-a-runtime")
     message.metadata.__dict__["_message_id"] = message_id
 

@@ -2,7 +2,9 @@
 strategy code as under Ray, without Ray's start-up cost. The fast tests, the golden metrics and
 the benchmarks' plain references run on it; `tamper` and `fail` rewrite or crash chosen replies,
 and `offline` nodes are answered for by the link, as a SuperLink answers for a node it has marked
-offline (an error reply from the link's own node id)."""
+offline (an error reply from the link's own node id). Each batch of messages is first handed to the app as
+one cohort (its `prepare_cohort`, fedsim/client/cohort.py), as the simulation's actors get them
+(fedsim/engine/cohorts.py); `cohorts=False` hands them over one by one."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from fedsim.flower.compat import act_as_superlink, from_the_link, secaggplus_rec
 
 
 class LocalGrid(Grid):
-    def __init__(self, client_app, num_nodes: int, tamper=None, fail=(), offline=()) -> None:
+    def __init__(self, client_app, num_nodes: int, tamper=None, fail=(), offline=(), cohorts: bool = True) -> None:
         act_as_superlink(run_id=1)  # Messages need a task identity outside a running app
         self._app = client_app
         self._ids = [1000 + 7 * i for i in range(num_nodes)]  # node ids unrelated to partition ids
@@ -27,6 +29,8 @@ class LocalGrid(Grid):
         self.tamper = tamper  # optional: (partition id, reply) -> reply, to simulate broken uploads
         self.fail = set(fail)  # partition ids whose ClientApp crashes
         self.offline = set(offline)  # partition ids whose node is gone: the link answers for them, from its own id
+        # each batch of messages goes to the app as one cohort first, as the simulation's actors get them
+        self.prepare_cohort = getattr(client_app, "prepare_cohort", None) if cohorts else None
 
     def set_run(self, run):
         pass
@@ -51,6 +55,9 @@ class LocalGrid(Grid):
         out = []
         for m in messages:
             stamp_message_id(m, str(uuid4()))  # as a grid does when it pushes a message
+        if self.prepare_cohort is not None:
+            self.prepare_cohort(messages, [self._ctx[m.metadata.dst_node_id] for m in messages])
+        for m in messages:
             ctx = self._ctx[m.metadata.dst_node_id]
             if int(ctx.node_config["partition-id"]) in self.offline and m.metadata.message_type == "train":
                 out.append(from_the_link(Message(Error(code=0, reason="the node is offline"), reply_to=m)))

@@ -15,6 +15,8 @@ class EngineOptions:
     fast_message_delivery: bool = True  # one scan of stored messages per delivery sweep, not one per node
     delivery_sweep_seconds: float = 0.02  # Flower's loop sweeps every 0.1 s
     light_actor: bool = True  # fedsim's ClientActor (cheap to import) instead of Flower's ClientAppActor
+    cohorts: bool = True  # a sweep's messages go to the actors as one task per worker (needs light_actor);
+    # off, every client trains alone, as under `federation.vectorize: off` (the one field that may move a metric, by rounding)
     prestarted_workers: bool = True  # a local Ray without a job runtime env, so actors take prestarted workers
     malloc_settings: bool = True  # fedsim/engine/allocator.py's thresholds in this process and the Ray workers
     queue_wait_seconds: float = 0.05  # the engine's workers wait up to 1 s on an empty queue (Flower)

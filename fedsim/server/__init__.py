@@ -14,4 +14,4 @@ class PlainParams(Params):
 
 
 PROTOCOLS.register("plain", PlainParams, exchange="fedsim.server.exchange:PlainExchange",
-                   client_step="fedsim.client.steps:plain_train")(PlainParams)
+                   client_step="fedsim.client.steps:plain_train", cohort_training=True)(PlainParams)

@@ -1,0 +1,153 @@
+"""Cohorts in Flower's simulation engine: an actor gets several of a round's messages in one task.
+
+Flower's engine hands each message to an actor as its own Ray task: a task submission, a pickled
+message and context, a ClientApp call and a reply fetched back, per client. With small models
+that wrapping costs more than the training (benchmarks/peers.py: ~8 ms per client around a few
+milliseconds of arithmetic). Here the delivery sweep cuts the messages it finds into one cohort
+per engine worker (round-robin over the order the server sent them, largest client first, so
+cohorts get similar work: pfl's longest-first scheduling), and each worker sends its cohort to its
+actor as one task (`ClientAppRunner.run_cohort`, fedsim/engine/ray_actor.py). There the ClientApp
+may first train the cohort's honest clients together (fedsim/client/cohort.py: one vectorised
+computation) and then answers every message on its own, as before.
+
+Nothing else changes: every client still gets its own Message and sends its own reply, with its
+own context, stored back where the engine keeps it; a client that raises gets the error reply
+Flower's worker would give it. An actor that dies (a client that crashes its process) takes its
+cohort's task down: each of the cohort's messages is then sent again alone, with Ray's one retry,
+so only the client that keeps crashing is lost, as without cohorts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from queue import Empty
+from typing import Callable
+from uuid import uuid4
+
+from flwr.app import Error, Message
+
+from fedsim.flower import compat as flower_compat
+
+log = logging.getLogger("fedsim")
+
+
+class Cohort(list):
+    """Messages for one actor task (a list: the engine's queue carries it as one item)."""
+
+
+def cohorts_of(messages: list, workers: int) -> list[Cohort]:
+    """`messages` (in the order the server sent them) cut into at most `workers` cohorts per run,
+    dealt round-robin so that each cohort gets a share of the large and of the small clients."""
+    runs: dict[int, list] = {}
+    for m in messages:
+        runs.setdefault(m.metadata.run_id, []).append(m)
+    out = []
+    for msgs in runs.values():
+        k = max(1, min(workers, len(msgs)))
+        out += [Cohort(msgs[i::k]) for i in range(k)]
+    return out
+
+
+class WorkerCounts:
+    """How many engine workers serve each message queue (one queue per run): the delivery sweep
+    cuts its messages into that many cohorts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: dict[int, int] = {}
+
+    def join(self, queue) -> None:
+        with self.lock:
+            self.counts[id(queue)] = self.counts.get(id(queue), 0) + 1
+
+    def leave(self, queue) -> None:
+        with self.lock:
+            left = self.counts.get(id(queue), 1) - 1
+            if left:
+                self.counts[id(queue)] = left
+            else:
+                self.counts.pop(id(queue), None)
+
+    def of(self, queue) -> int:
+        with self.lock:
+            return max(1, self.counts.get(id(queue), 1))
+
+
+def deliver_cohorts(undelivered: Callable[[], list], queue, counts: WorkerCounts, f_stop, sweep_seconds: float) -> None:
+    """The delivery loop: each sweep's undelivered messages go to the workers' queue as cohorts.
+
+    A sweep that finds messages looks again after `sweep_seconds` until one finds none, so that a
+    round whose messages the server was still storing is cut into cohorts whole: how a round is cut
+    must not depend on timing, since a conv net's vectorised update depends, in its last bits, on
+    the clients it is computed with (fedsim/cohort/vectorized.py)."""
+    while not f_stop.is_set():
+        batch = undelivered()
+        while batch and not f_stop.wait(sweep_seconds):
+            more = undelivered()
+            if not more:
+                break
+            batch += more
+        if batch:
+            batch.sort(key=lambda m: m.metadata.created_at)  # the order the server created them in
+            for cohort in cohorts_of(batch, counts.of(queue)):
+                queue.put(cohort)
+        f_stop.wait(sweep_seconds)
+
+
+def cohort_worker(counts: WorkerCounts):
+    """`vce_api.worker`'s replacement: the same loop, for a cohort (or a single message) per item."""
+
+    def worker(messageins_queue, messageres_queue, node_info_store, backend, f_stop, metrics) -> None:
+        counts.join(messageins_queue)
+        try:
+            while not f_stop.is_set():
+                try:
+                    item = messageins_queue.get(timeout=1.0)
+                except Empty:
+                    continue
+                for reply in process_cohort(item if isinstance(item, list) else [item], node_info_store, backend, metrics,
+                                            f_stop):
+                    messageres_queue.put(reply)
+        finally:
+            counts.leave(messageins_queue)
+
+    return worker
+
+
+def process_cohort(messages: list, node_info_store, backend, metrics, f_stop) -> list[Message]:
+    """Run `messages` as one task on one actor; the replies, with each node's context updated.
+    Once the engine is stopping (`f_stop`), a failed task (its actor killed by the shutdown) is
+    neither retried nor reported."""
+    contexts = [node_info_store[m.metadata.dst_node_id].retrieve_context(run_id=m.metadata.run_id) for m in messages]
+    started = time.perf_counter()
+    try:
+        replies, updated = flower_compat.run_cohort_task(backend, messages, contexts)
+    except Exception as ex:  # noqa: BLE001  (the actor died or the task failed)
+        metrics.add_clientapp_runtime(time.perf_counter() - started)
+        if f_stop.is_set():
+            log.debug("a cohort's task ended with the engine: %s", ex)
+            replies, updated = [ex] * len(messages), [None] * len(messages)
+        elif len(messages) > 1:  # one client may have taken its cohort down: each is retried alone
+            log.warning("a client actor failed a cohort of %d messages (%s); each message is retried alone",
+                        len(messages), ex)
+            return [reply for m in messages for reply in process_cohort([m], node_info_store, backend, metrics, f_stop)]
+        else:
+            log.error("a client actor failed: %s\n%s", ex, traceback.format_exc())
+            replies, updated = [ex], [None]
+    else:
+        metrics.add_clientapp_runtime(time.perf_counter() - started)
+    out = []
+    for message, reply, context in zip(messages, replies, updated):
+        if context is not None:
+            node_info_store[message.metadata.dst_node_id].update_context(message.metadata.run_id, context=context)
+        if isinstance(reply, BaseException):
+            if not f_stop.is_set():
+                log.error("client %s: %s", message.metadata.dst_node_id, reply)
+            reply = Message(Error(code=flower_compat.error_code(reply), reason=f"{type(reply)}:<'{reply}'>"),
+                            reply_to=message)
+        flower_compat.stamp_message_id(reply, str(uuid4()))
+        out.append(reply)
+    return out
