@@ -67,7 +67,9 @@ def check_against_sequential(model, data, cfg, seeds=SEEDS, kinks: int = 0) -> t
     start = layout.flatten_model(model)
     before = copy.deepcopy(model.state_dict())
     was_training = [m.training for m in model.modules()]
+    kept = start.clone()
     rows, stats = train_cohort(model, layout, start, data, cfg, seeds)
+    assert torch.equal(start, kept)  # the caller's global model, untouched
     ref, ref_stats = sequential(model, layout, start, data, cfg, seeds)
     assert rows.shape == (len(data), layout.dim) and rows.dtype == torch.float32 and rows.device.type == "cpu"
     errors = sorted(relative_errors(rows, ref, start))
@@ -127,6 +129,17 @@ def test_training_variants_match_sequential(cfg):
     assert torch.equal(rows[2], start) and stats[2] == {"loss": 0.0, "steps": 0}
     expected = [min(cfg.epochs * -(-len(y) // cfg.batch_size), cfg.max_steps or 10**9) for _, y in data]
     assert [s["steps"] for s in stats] == expected
+
+
+def test_a_frozen_parameter_stays_as_it_does_sequentially():
+    """A parameter without requires_grad has no gradient: torch's SGD skips it (no weight decay, no
+    FedProx pull), and so does the cohort."""
+    model = build("mlp", hidden=[32])
+    model[1].weight.requires_grad_(False)
+    rows, _ = check_against_sequential(model, datasets((7, 23, 30)), dataclasses.replace(CFG, proximal_mu=0.1),
+                                       seeds=SEEDS[:3])
+    frozen = ModelLayout.of(model).slice("1.weight")
+    assert torch.equal(rows[:, frozen], model[1].weight.detach().reshape(1, -1).expand(3, -1))
 
 
 def test_bf16_autocast_is_applied_and_close_to_sequential_bf16():
