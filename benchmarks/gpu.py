@@ -16,6 +16,11 @@ Without a GPU it says so, times only the CPU side (the aggregation rules on CPU,
 loop's one-client training on CPU as the reference a GPU run is compared with) and exits 0.
 Random tensors stand in for CIFAR-10 when its files are absent; the output says which was used.
 
+`--models vgg9 resnet18 --vectorize on off --shares 0.25` runs the per-round comparison for each
+model and each `federation.vectorize` mode (ResNet-18's BatchNorm trains one client at a time
+whatever the mode: fedsim/cohort/vectorized.py); `benchmarks/gpu_cohorts.sh` runs it with the
+rest of the GPU check of vectorised cohorts.
+
 Run: `.venv/bin/python benchmarks/gpu.py [--quick]` (--quick: n in {10, 50}, d = 1,000,000 on CPU,
 three local steps for the CPU reference; on a GPU, two rounds per share). Asserts nothing about time.
 """
@@ -81,14 +86,14 @@ def cifar_files(root: Path | None) -> Path | None:
 # --------------------------------------------------------------------------- 1. per-round time
 
 
-def vgg9() -> torch.nn.Module:
-    entry = MODELS.get("vgg9")
+def net(name: str = "vgg9") -> torch.nn.Module:
+    entry = MODELS.get(name)
     return entry.obj((3, 32, 32), 10, entry.params())
 
 
-def plain_client(global_model, x, y, device, steps: int | None = None) -> torch.Tensor:
+def plain_client(global_model, x, y, device, steps: int | None = None, name: str = "vgg9") -> torch.Tensor:
     """One client's local training, the way a single-process script does it: returns its flat update."""
-    model = vgg9().to(device)
+    model = net(name).to(device)
     model.load_state_dict(global_model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=1e-4)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -109,10 +114,10 @@ def plain_client(global_model, x, y, device, steps: int | None = None) -> torch.
     return new - torch.nn.utils.parameters_to_vector(global_model.parameters())
 
 
-def plain_round(global_model, data, device) -> float:
+def plain_round(global_model, data, device, name: str = "vgg9") -> float:
     """Seconds for one FedAvg round of 10 clients in one process."""
     start = time.perf_counter()
-    updates = torch.stack([plain_client(global_model, x, y, device) for x, y in data])
+    updates = torch.stack([plain_client(global_model, x, y, device, name=name) for x, y in data])
     mean = updates.mean(dim=0)
     torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(global_model.parameters()) + mean,
                                         global_model.parameters())
@@ -138,11 +143,15 @@ def write_random_cifar(folder: Path) -> None:
             pickle.dump(batch, f, protocol=2)
 
 
-def fedsim_round_seconds(share: float, rounds: int, data_dir: Path, out: Path) -> float:
+def fedsim_round_seconds(share: float, rounds: int, data_dir: Path, out: Path, name: str = "vgg9",
+                         vectorize: str = "auto") -> float:
     """Median wall_seconds of fedsim's middle rounds with `share` of a GPU per client actor."""
     sets = ["attack=null", f"federation.rounds={rounds}", f"federation.client_gpus={share}", "init.pretrain_epochs=0",
-            "evaluation.initial=false", f"evaluation.every={rounds}", "output.checkpoints=false", f"data.dir={data_dir}"]
-    folder = out / f"share_{share}"
+            "evaluation.initial=false", f"evaluation.every={rounds}", "output.checkpoints=false", f"data.dir={data_dir}",
+            f"federation.vectorize={vectorize}"]
+    if name != "vgg9":
+        sets.append(f"model={{name: {name}}}")
+    folder = out / f"{name}_{vectorize}_share_{share}"
     cmd = [sys.executable, "-m", "fedsim.cli", "run", str(SCENARIO), "--output", str(folder)]
     for s in sets:
         cmd += ["--set", s]
@@ -161,7 +170,7 @@ def per_round(args, gpu: bool) -> None:
         device = torch.device("cpu")
         steps = 3 if args.quick else None
         data = random_clients(device, n=1)
-        model = vgg9()
+        model = net()
         secs = bench.median_seconds(lambda: plain_client(model, *data[0], device, steps), args.repeats, budget_s=30.0)
         what = f"{steps} SGD steps" if steps else f"{LOCAL_EPOCHS} epochs of {PARTITION} images"
         print("No GPU present: fedsim's GPU simulation and the plain GPU loop were not run.")
@@ -170,11 +179,13 @@ def per_round(args, gpu: bool) -> None:
         return
     device = torch.device("cuda")
     data = random_clients(device)
-    model = vgg9().to(device)
-    plain_round(model, data, device)  # warm-up: cuDNN autotuning, allocator
-    plain = statistics.median(plain_round(model, data, device) for _ in range(args.repeats))
-    print(f"plain single-process loop on {torch.cuda.get_device_name(device)} (random tensors, {PARTITION} images a client): "
-          f"{plain:.2f} s per round")
+    plain = {}
+    for name in args.models:
+        model = net(name).to(device)
+        plain_round(model, data, device, name)  # warm-up: cuDNN autotuning, allocator
+        plain[name] = statistics.median(plain_round(model, data, device, name) for _ in range(args.repeats))
+        print(f"plain single-process loop, {name}, on {torch.cuda.get_device_name(device)} (random tensors, {PARTITION} "
+              f"images a client): {plain[name]:.2f} s per round")
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = root
         if real is None:
@@ -184,14 +195,18 @@ def per_round(args, gpu: bool) -> None:
         else:
             print(f"fedsim runs on the CIFAR-10 files in {real}")
         rounds = 3 if args.quick else 5
-        print(f"{'clients per GPU':>16} {'client_gpus':>12} {'fedsim s/round':>15} {'fedsim / plain':>15}")
-        for share in SHARES:
-            try:
-                secs = fedsim_round_seconds(share, rounds, data_dir, Path(tmp) / "runs")
-            except subprocess.CalledProcessError as err:
-                print(f"{round(1 / share):>16} {share:>12g} {'failed':>15}   ({err})")
-                continue
-            print(f"{round(1 / share):>16} {share:>12g} {secs:>15.2f} {secs / plain:>15.2f}")
+        print(f"{'model':>9} {'vectorize':>9} {'clients per GPU':>16} {'client_gpus':>12} {'fedsim s/round':>15} "
+              f"{'fedsim / plain':>15}")
+        for name in args.models:
+            for vectorize in args.vectorize:
+                for share in args.shares:
+                    head = f"{name:>9} {vectorize:>9} {round(1 / share):>16} {share:>12g}"
+                    try:
+                        secs = fedsim_round_seconds(share, rounds, data_dir, Path(tmp) / "runs", name, vectorize)
+                    except subprocess.CalledProcessError as err:
+                        print(f"{head} {'failed':>15}   ({err})")
+                        continue
+                    print(f"{head} {secs:>15.2f} {secs / plain[name]:>15.2f}")
 
 
 # --------------------------------------------------------------------------- 2. aggregation
@@ -298,6 +313,11 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=5.0, help="seconds spent at most on repeats of one case")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--skip-rounds", action="store_true", help="only the aggregation timings")
+    parser.add_argument("--skip-aggregation", action="store_true", help="only the per-round timings")
+    parser.add_argument("--models", nargs="*", default=["vgg9"], help="per-round models (vgg9, resnet18)")
+    parser.add_argument("--vectorize", nargs="*", default=["auto"], choices=["auto", "on", "off"],
+                        help="fedsim's federation.vectorize values to run (each a run per share)")
+    parser.add_argument("--shares", nargs="*", type=float, default=list(SHARES), help="client_gpus values")
     parser.add_argument("--n", type=int, nargs="*", help="numbers of updates to aggregate (default 10 50 100; --quick 10 50)")
     parser.add_argument("--memory-gb", type=float, default=bench.MEMORY_LIMIT_BYTES / 1e9,
                         help="skip an n whose updates (three copies) would need more host memory than this")
@@ -314,7 +334,8 @@ def main() -> int:
               f"CUDA {torch.version.cuda or 'none'}): CPU side only")
     if not args.skip_rounds:
         per_round(args, gpu)
-    aggregation(args, gpu)
+    if not args.skip_aggregation:
+        aggregation(args, gpu)
     return 0
 
 

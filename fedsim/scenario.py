@@ -119,7 +119,7 @@ class FederationSection(Section):
 
     cohort_size: int | None = Field(
         None, ge=1, le=MAX_CLIENTS, description="at most this many clients in one vectorised computation (memory bound; "
-        "default: the whole cohort on CPU, derived from free memory on a GPU)")
+        "default: what keeps a step's activations in the CPU's last-level cache, or fits half the GPU's memory)")
 
 
 class InitSection(Section):

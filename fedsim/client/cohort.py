@@ -114,8 +114,10 @@ def eligible(rt, context) -> bool:
 def train_group(group: Group) -> None:
     """One vectorised computation for the group's distinct data partitions; results into the store."""
     rt, fed = group.rt, group.rt.scenario.federation
-    # DETOX: one shard, trained once. A lone client trains vectorised too: its update must not depend
-    # on how the engine happened to cut the round into cohorts
+    # DETOX: one shard, trained once. A lone client trains vectorised too, as its cohort would: the
+    # engine cuts a round the same way every time (fedsim/engine/cohorts.py), so a run repeats bit for
+    # bit, and for the mlp a client's bits do not even depend on its cohort (a conv net's may, in the
+    # last place, with the number of clients a step computes: fedsim/cohort/vectorized.py)
     shards = list(dict.fromkeys(data_pid for _, data_pid in group.clients))
     cfg = training_config(rt, group.rnd)
     model = rt.cached(("cohort-model", json.dumps(group.ranks, sort_keys=True)), lambda: rt.build_model(group.ranks))

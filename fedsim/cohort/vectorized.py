@@ -241,13 +241,15 @@ def _sgd(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[to
 
 def chunk_size_for(model: nn.Module, layout: ModelLayout, cfg: TrainConfig, sample_shape: tuple[int, ...],
                    device: torch.device | str) -> int | None:
-    """Clients per vectorised computation: what fits the free memory of a CUDA device, or on CPU
+    """Clients per vectorised computation: what fits half the memory of a CUDA device, or on CPU
     what keeps a step's activations in the last-level cache; None where neither is known.
 
     Coarse bounds, not measurements. A client's activations: 3 x batch x the forward's per-sample
     outputs (its leaf modules' outputs and the input: kept for backward, their gradients, the
     gathered batch), fp32 whatever the precision. On CUDA a client also holds 4 x the parameters
-    (weights, gradient, momentum, a transient), and 70% of the free memory is used. On CPU only the
+    (weights, gradient, momentum, a transient), and half the device's memory is used: its total, not
+    what is free, which varies from run to run and would vary the chunks, and with them the last
+    bits of the updates (a conv net's bits depend on how many clients a step computes). On CPU only the
     activations count against the cache: past it every elementwise pass goes to DRAM, and the cohort
     trains slower than one client after another. Measured on 2 EPYC cores (32 MiB L3), one thread,
     batch 10: lenet, 50 clients x 5 steps, all at once 0.56x the sequential loop's speed, in chunks
@@ -257,8 +259,8 @@ def chunk_size_for(model: nn.Module, layout: ModelLayout, cfg: TrainConfig, samp
     device = resolve_device(str(device), "chunk_size_for's device")
     activations = 4 * 3 * cfg.batch_size * _activations_per_sample(model, sample_shape)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(0.7 * free) // (4 * 4 * layout.dim + activations))
+        _, total = torch.cuda.mem_get_info(device)
+        return max(1, int(0.5 * total) // (4 * 4 * layout.dim + activations))
     if device.type == "cpu":
         cache = _last_level_cache_bytes()
         return None if cache is None else max(1, cache // activations)
