@@ -143,14 +143,22 @@ def has_vectorize() -> bool:
     return "vectorize" in FederationSection.model_fields
 
 
-def peers_scenario(model: str, rounds: int, dataset: str, folder: str, vectorize: str | None = None):
-    """The benchmark shape as a fedsim scenario; `vectorize` sets `federation.vectorize` (None: left out)."""
+def peers_scenario(model: str, rounds: int, dataset: str, folder: str, vectorize: str | None = None,
+                   device: str = "cpu"):
+    """The benchmark shape as a fedsim scenario; `vectorize` sets `federation.vectorize` (None: left out);
+    `device` cuda puts the clients (a quarter of the GPU per actor), the server and the evaluation there."""
     from fedsim.scenario import validate_scenario
 
     federation = {"num_clients": USERS, "clients_per_round": COHORT, "rounds": rounds, "local_epochs": LOCAL_EPOCHS,
                   "batch_size": BATCH, "lr": LR}
     if vectorize is not None:
         federation["vectorize"] = vectorize
+    evaluation = {"every": rounds, "initial": False}
+    extra = {}
+    if device != "cpu":
+        federation.update(client_gpus=0.25, device=device)
+        evaluation["device"] = device
+        extra["server"] = {"device": device}
     return validate_scenario(
         {
             "name": f"peers_{model}",
@@ -159,8 +167,9 @@ def peers_scenario(model: str, rounds: int, dataset: str, folder: str, vectorize
             "model": MODELS[model]["spec"],
             "federation": federation,
             "aggregator": "fedavg",
-            "evaluation": {"every": rounds, "initial": False},
+            "evaluation": evaluation,
             "output": {"checkpoints": False},
+            **extra,
         },
         f"peers_{model}",
     )
@@ -176,7 +185,7 @@ def sampled_clients(scenario, rnd: int) -> list[int]:
 
 
 # --- the plain loop ---------------------------------------------------------------------------
-def plain_loop(scenario, threads: int) -> dict:
+def plain_loop(scenario, threads: int, device: str = "cpu") -> dict:
     """The same FedAvg as fedsim's scenario, as one plain sequential loop; per-round seconds, metrics."""
     import copy
 
@@ -191,13 +200,14 @@ def plain_loop(scenario, threads: int) -> dict:
     rt = Runtime(scenario)  # fedsim's loaders and partitions: the very arrays fedsim's clients use
 
     def tensor(a):  # into memory: fedsim's cache hands large arrays over memory-mapped, read-only
-        return torch.from_numpy(np.array(a))
+        return torch.from_numpy(np.array(a)).to(device)
 
     x_train, y_train = tensor(rt.data.x_train), tensor(rt.data.y_train)
     x_test, y_test = tensor(rt.data.x_test), tensor(rt.data.y_test)
-    parts = [torch.from_numpy(p) for p in rt.partitions]
+    parts = [torch.from_numpy(p).to(device) for p in rt.partitions]
     model = rt.build_model()
     rt.layout.load_into(model, rt.initial_weights())  # the same initial model as fedsim's
+    model.to(device)
 
     walls = []
     for rnd in range(1, fed.rounds + 1):
@@ -212,7 +222,7 @@ def plain_loop(scenario, threads: int) -> dict:
             torch.manual_seed(seed)
             gen = torch.Generator().manual_seed(seed)
             for _ in range(fed.local_epochs):
-                order = torch.randperm(len(x), generator=gen)
+                order = torch.randperm(len(x), generator=gen).to(device)
                 for b in range(0, len(x), fed.batch_size):
                     idx = order[b : b + fed.batch_size]
                     opt.zero_grad(set_to_none=True)
@@ -223,6 +233,8 @@ def plain_loop(scenario, threads: int) -> dict:
             weighted = state if weighted is None else {k: weighted[k] + state[k] for k in state}
             total += n
         model.load_state_dict({k: v / total for k, v in weighted.items()})
+        if device != "cpu":
+            torch.cuda.synchronize()
         walls.append(time.perf_counter() - t)
     model.eval()
     bs = scenario.evaluation.batch_size
@@ -360,7 +372,7 @@ def run_side(side: str, model: str, args, setup: dict) -> dict:
         else:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--only", model, "--side-out", str(out),
                    "--rounds", str(setup["rounds"][model]), "--dataset", setup["dataset"], "--data-folder",
-                   str(setup["folder"]), "--threads", str(args.threads)]
+                   str(setup["folder"]), "--threads", str(args.threads), "--device", args.device]
             if side.startswith("fedsim") and not setup["vectorize"]:
                 cmd.append("--no-vectorize-field")
         with open(log, "w") as fh:
@@ -434,8 +446,8 @@ def report(title: str, sides: list[str], runs: dict[str, list[dict]], labels: di
 def child(args) -> None:
     """A child process: one side of one run."""
     vectorize = None if args.no_vectorize_field else {"fedsim-off": "off", "fedsim-on": "on"}.get(args.side)
-    scenario = peers_scenario(args.only, args.rounds, args.dataset, str(args.data_folder), vectorize)
-    result = plain_loop(scenario, args.threads) if args.side == "plain" else run_fedsim(scenario)
+    scenario = peers_scenario(args.only, args.rounds, args.dataset, str(args.data_folder), vectorize, args.device)
+    result = plain_loop(scenario, args.threads, args.device) if args.side == "plain" else run_fedsim(scenario)
     args.side_out.write_text(json.dumps(result))
 
 
@@ -449,6 +461,8 @@ def main() -> None:
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)} (default: all)")
     parser.add_argument("--pfl-python", default=os.environ.get("FEDSIM_PFL_PYTHON"), metavar="PATH",
                         help="the Python of pfl's virtual environment (default: $FEDSIM_PFL_PYTHON)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the plain loop and fedsim's clients, server and evaluation on the GPU (pfl stays on CPU)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the plain loop and pfl (default 2)")
     parser.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
                         help="before each model, wait up to this long for the machine to be idle")

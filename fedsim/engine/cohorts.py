@@ -76,16 +76,17 @@ class WorkerCounts:
             return max(1, self.counts.get(id(queue), 1))
 
 
-def deliver_cohorts(undelivered: Callable[[], list], queue, counts: WorkerCounts, f_stop, sweep_seconds: float) -> None:
+def deliver_cohorts(undelivered: Callable[[], list], queue, counts: WorkerCounts, f_stop, sweep_seconds: float,
+                    settle_seconds: float) -> None:
     """The delivery loop: each sweep's undelivered messages go to the workers' queue as cohorts.
 
-    A sweep that finds messages looks again after `sweep_seconds` until one finds none, so that a
+    A sweep that finds messages looks again after `settle_seconds` until one finds none, so that a
     round whose messages the server was still storing is cut into cohorts whole: how a round is cut
     must not depend on timing, since a conv net's vectorised update depends, in its last bits, on
     the clients it is computed with (fedsim/cohort/vectorized.py)."""
     while not f_stop.is_set():
         batch = undelivered()
-        while batch and not f_stop.wait(sweep_seconds):
+        while batch and not f_stop.wait(settle_seconds):
             more = undelivered()
             if not more:
                 break

@@ -205,7 +205,7 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
         if options.fast_message_delivery and flower_compat.has_message_store(state):
             if cohorts:
                 return deliver_cohorts(lambda: flower_compat.undelivered_messages(state, nodes_mapping), queue,
-                                       workers, f_stop, options.delivery_sweep_seconds)
+                                       workers, f_stop, options.delivery_sweep_seconds, options.delivery_settle_seconds)
             return deliver_messages(state, queue, nodes_mapping, f_stop, options.delivery_sweep_seconds)
         return flower["deliver"](state, queue, nodes_mapping, f_stop)
 

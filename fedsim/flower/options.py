@@ -14,6 +14,7 @@ class EngineOptions:
     # simulation engine (fedsim/engine/simulate.py)
     fast_message_delivery: bool = True  # one scan of stored messages per delivery sweep, not one per node
     delivery_sweep_seconds: float = 0.02  # Flower's loop sweeps every 0.1 s
+    delivery_settle_seconds: float = 0.005  # cohorts: a sweep that found messages looks again this soon, until none come
     light_actor: bool = True  # fedsim's ClientActor (cheap to import) instead of Flower's ClientAppActor
     cohorts: bool = True  # a sweep's messages go to the actors as one task per worker (needs light_actor);
     # off, every client trains alone, as under `federation.vectorize: off` (the one field that may move a metric, by rounding)
