@@ -45,13 +45,11 @@ Nothing is asserted about time.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -69,6 +67,8 @@ from fedsim.runs.results import read_rounds  # noqa: E402
 from fedsim.runtime import Runtime  # noqa: E402
 from fedsim.scenario import load_scenario, validate_scenario  # noqa: E402
 from fedsim.seeding import SAMPLE, TRAIN, derive_seed, numpy_rng  # noqa: E402
+from machine_cpu import TreeCPU, cores_busy, cpu_jiffies, wait_for_quiet  # noqa: E402  (this folder is on sys.path)
+from plain_steps import local_sgd  # noqa: E402
 
 REPO = _HERE.parent
 
@@ -102,77 +102,6 @@ def mnist_scenario(rounds: int):
 def digits_scenario(rounds: int | None):
     overrides = [f"federation.rounds={rounds}"] if rounds else []
     return load_scenario(REPO / "scenarios" / "quickstart.yaml", overrides)
-
-
-# --- machine CPU from /proc/stat ------------------------------------------------------------
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine since boot."""
-    with open("/proc/stat") as fh:
-        fields = [int(v) for v in fh.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    total = sum(fields[:8])  # guest time is already counted in user
-    return total - idle, total
-
-
-def cores_busy(start: tuple[int, int], end: tuple[int, int]) -> float:
-    busy, total = end[0] - start[0], end[1] - start[1]
-    return (os.cpu_count() or 1) * busy / max(total, 1)
-
-
-class TreeCPU:
-    """CPU seconds used by this process and all its descendants (Ray's processes included), sampled
-    from /proc every 0.2 s, so that the machine's busy time can be split into ours and others'."""
-
-    def __init__(self) -> None:
-        self.first: dict[int, float] = {}
-        self.last: dict[int, float] = {}
-        self.stop = threading.Event()
-        self.tick = os.sysconf("SC_CLK_TCK")
-        self._sample()
-        self.first = dict(self.last)
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _sample(self) -> None:
-        parent, cpu = {}, {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                parent[int(entry.name)] = int(fields[1])
-                cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
-        ours, todo = set(), [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            ours.add(pid)
-            todo.extend(p for p, pp in parent.items() if pp == pid and p not in ours)
-        for pid in ours:
-            if pid in cpu:
-                self.last[pid] = cpu[pid]
-
-    def _loop(self) -> None:
-        while not self.stop.wait(0.2):
-            self._sample()
-
-    def seconds(self) -> float:
-        self.stop.set()
-        self.thread.join()
-        self._sample()
-        return sum(v - self.first.get(pid, 0.0) for pid, v in self.last.items())
-
-
-def wait_for_quiet(max_seconds: float, threshold: float = 0.25) -> float:
-    """Wait (up to `max_seconds`) until the machine has been under `threshold` cores busy for 5 s;
-    returns the background load last seen. Other work on the machine skews both sides' times."""
-    deadline, load = time.monotonic() + max_seconds, float("nan")
-    while True:
-        start = cpu_jiffies()
-        time.sleep(5)
-        load = cores_busy(start, cpu_jiffies())
-        if load < threshold or time.monotonic() > deadline:
-            return load
 
 
 # --- the plain loop ---------------------------------------------------------------------------
@@ -214,19 +143,9 @@ def plain_loop(scenario) -> dict:
                 x, y = torch.from_numpy(xa), torch.from_numpy(ya)
             else:
                 x, y = x_train[parts[pid]], y_train[parts[pid]]
-            local = copy.deepcopy(model)
-            local.train()
-            opt = torch.optim.SGD(local.parameters(), lr=lr, momentum=fed.momentum, weight_decay=fed.weight_decay)
             seed = derive_seed(scenario.seed, TRAIN, rnd, pid)
-            torch.manual_seed(seed)
-            gen = torch.Generator().manual_seed(seed)
-            for _ in range(fed.local_epochs):
-                order = torch.randperm(len(x), generator=gen)
-                for b in range(0, len(x), fed.batch_size):
-                    idx = order[b : b + fed.batch_size]
-                    opt.zero_grad(set_to_none=True)
-                    torch.nn.functional.cross_entropy(local(x[idx]), y[idx]).backward()
-                    opt.step()
+            local = local_sgd(model, x, y, lr=lr, epochs=fed.local_epochs, batch_size=fed.batch_size, seed=seed,
+                              momentum=fed.momentum, weight_decay=fed.weight_decay)
             n = len(x)
             state = {k: v.detach() * n for k, v in local.state_dict().items()}
             weighted = state if weighted is None else {k: weighted[k] + state[k] for k in state}

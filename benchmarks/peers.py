@@ -81,9 +81,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from machine_cpu import TreeCPU, cores_busy, cpu_jiffies, wait_for_quiet  # this folder is on sys.path
+from plain_steps import local_sgd
 
 _HERE = Path(__file__).resolve().parent
 REPO = _HERE.parent
@@ -187,7 +189,6 @@ def sampled_clients(scenario, rnd: int) -> list[int]:
 # --- the plain loop ---------------------------------------------------------------------------
 def plain_loop(scenario, threads: int, device: str = "cpu") -> dict:
     """The same FedAvg as fedsim's scenario, as one plain sequential loop; per-round seconds, metrics."""
-    import copy
 
     import numpy as np
     import torch
@@ -215,19 +216,9 @@ def plain_loop(scenario, threads: int, device: str = "cpu") -> dict:
         total, weighted = 0, None
         for pid in sampled_clients(scenario, rnd):
             x, y = x_train[parts[pid]], y_train[parts[pid]]
-            local = copy.deepcopy(model)
-            local.train()
-            opt = torch.optim.SGD(local.parameters(), lr=fed.lr)
             seed = derive_seed(scenario.seed, TRAIN, rnd, pid)  # fedsim's seed for this client's training
-            torch.manual_seed(seed)
-            gen = torch.Generator().manual_seed(seed)
-            for _ in range(fed.local_epochs):
-                order = torch.randperm(len(x), generator=gen).to(device)
-                for b in range(0, len(x), fed.batch_size):
-                    idx = order[b : b + fed.batch_size]
-                    opt.zero_grad(set_to_none=True)
-                    torch.nn.functional.cross_entropy(local(x[idx]), y[idx]).backward()
-                    opt.step()
+            local = local_sgd(model, x, y, lr=fed.lr, epochs=fed.local_epochs, batch_size=fed.batch_size, seed=seed,
+                              device=device)
             n = len(x)
             state = {k: v.detach() * n for k, v in local.state_dict().items()}
             weighted = state if weighted is None else {k: weighted[k] + state[k] for k in state}
@@ -288,73 +279,6 @@ def write_problem(scenario, folder: Path) -> Path:
         "cohort": fed.clients_per_round, "eval_batch_size": scenario.evaluation.batch_size, "seed": scenario.seed,
     }))
     return folder
-
-
-# --- machine CPU --------------------------------------------------------------------------------
-# As benchmarks/overhead.py measures it (the same functions there), written again here
-# because importing overhead.py imports fedsim's engine, which sets Ray's and OpenBLAS's environment
-# defaults in this process, and the plain loop and pfl would inherit them.
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine since boot."""
-    with open("/proc/stat") as fh:
-        fields = [int(v) for v in fh.readline().split()[1:]]
-    total = sum(fields[:8])
-    return total - fields[3] - fields[4], total  # idle and iowait are not busy
-
-
-def cores_busy(start: tuple[int, int], end: tuple[int, int]) -> float:
-    return (os.cpu_count() or 1) * (end[0] - start[0]) / max(end[1] - start[1], 1)
-
-
-def wait_for_quiet(max_seconds: float, threshold: float = 0.25) -> float:
-    """Wait (up to `max_seconds`) until the machine has been under `threshold` cores busy for 5 s;
-    returns the background load last seen."""
-    deadline = time.monotonic() + max_seconds
-    while True:
-        start = cpu_jiffies()
-        time.sleep(5)
-        load = cores_busy(start, cpu_jiffies())
-        if load < threshold or time.monotonic() > deadline:
-            return load
-
-
-class TreeCPU(threading.Thread):
-    """CPU seconds of this process and all its descendants (Ray's processes included), sampled from
-    /proc every 0.2 s, so that the machine's busy time splits into the side's own and others'."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.tick, self.halt = os.sysconf("SC_CLK_TCK"), threading.Event()
-        self.first = self.sample()
-        self.last = dict(self.first)
-        self.start()
-
-    def sample(self) -> dict[int, float]:
-        parent, cpu = {}, {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                parent[int(entry.name)] = int(fields[1])
-                cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
-        ours, todo = set(), [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            ours.add(pid)
-            todo.extend(p for p, pp in parent.items() if pp == pid and p not in ours)
-        return {pid: cpu[pid] for pid in ours if pid in cpu}
-
-    def run(self) -> None:
-        while not self.halt.wait(0.2):
-            self.last.update(self.sample())
-
-    def seconds(self) -> float:
-        self.halt.set()
-        self.join()
-        self.last.update(self.sample())
-        return sum(v - self.first.get(pid, 0.0) for pid, v in self.last.items())
 
 
 # --- running the sides -----------------------------------------------------------------------
