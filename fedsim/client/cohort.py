@@ -4,9 +4,9 @@ An actor handed a cohort of messages (fedsim/engine/cohorts.py, or the in-proces
 `prepare_cohort` first. The honest clients of a protocol whose step trains through
 `local_update` (the registry's `cohort_training` trait: `plain`) that start from the same global
 model in the same round train as one torch.func computation (fedsim/cohort/vectorized.py), each
-on exactly the batches it would get alone. Their updates wait in the runtime's cohort store (fedsim/cohort/store.py); when
-each message is then answered as usual, `local_update` takes its client's update from there
-instead of training (local DP, the codec, the memory and the reply are unchanged). Attackers and
+on exactly the batches it would get alone. Their updates wait in the runtime's cohort store
+(fedsim/cohort/store.py); when each message is then answered as usual, `local_update` takes its
+client's update from there instead of training (local DP, the codec, the memory and the reply are unchanged). Attackers and
 clients on their own data train alone, as before, and so does a whole cohort whose model or
 settings cannot be vectorised (BatchNorm, LSTMs, fp16), with the reason logged once.
 
@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedsim.client.steps import LocalResult, attacking, local_data_path, model_ranks, partition_id, scenario_for_node
+from fedsim.client.steps import (
+    LocalResult, attacking, local_data_path, model_ranks, partition_id, round_train_config, scenario_for_node,
+)
 from fedsim.cohort.store import cohort_store
 from fedsim.cohort.vectorized import chunk_size_for, train_cohort, vector_refusal
 from fedsim.devices import client_train_config
@@ -48,11 +50,8 @@ class Group:
 
 
 def training_config(rt, rnd: int) -> TrainConfig:
-    """An honest client's training settings in round `rnd`, as `local_update` builds them."""
-    fed = rt.scenario.federation
-    cfg = TrainConfig(fed.local_epochs, fed.batch_size, rt.lr(rnd), fed.momentum, fed.weight_decay,
-                      proximal_mu=fed.proximal_mu, max_steps=fed.local_steps)
-    return client_train_config(cfg, rt.scenario)
+    """An honest client's training settings in round `rnd`, as `local_update` uses them."""
+    return client_train_config(round_train_config(rt, rnd), rt.scenario)
 
 
 def cohort_refusal(rt) -> str | None:

@@ -102,6 +102,14 @@ class LocalResult(NamedTuple):
     shared: dict[str, np.ndarray] | None = None  # what an attacker reports for the backdoor measurement
 
 
+def round_train_config(rt, rnd: int) -> TrainConfig:
+    """The federation's local training in round `rnd` (its lr decayed), before the device settings
+    an honest client or an attacker adds (fedsim/devices.py client_train_config)."""
+    fed = rt.scenario.federation
+    return TrainConfig(fed.local_epochs, fed.batch_size, rt.lr(rnd), fed.momentum, fed.weight_decay,
+                       proximal_mu=fed.proximal_mu, max_steps=fed.local_steps)
+
+
 def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memory: dict | None = None,
                  data: tuple[np.ndarray, np.ndarray] | None = None) -> LocalResult:
     """Train from the global model on this client's data (or the attacker's) and return the update.
@@ -122,8 +130,7 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
             return done
     model = rt.build_model(ranks)
     layout.load_into(model, global_vec)
-    cfg = TrainConfig(fed.local_epochs, fed.batch_size, rt.lr(rnd), fed.momentum, fed.weight_decay,
-                      proximal_mu=fed.proximal_mu, max_steps=fed.local_steps)
+    cfg = round_train_config(rt, rnd)
     seed = derive_seed(rt.scenario.seed, TRAIN, rnd, data_pid)
     if attack is not None:
         job = AttackerRound(rt, pid, rnd, model, global_vec, layout,
