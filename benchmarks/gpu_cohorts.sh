@@ -16,8 +16,9 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FEDSIM_DATA_DIR=${FEDSIM_DATA_DIR:-$PWD/shared/data}
 if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+  SITE=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    && export PYTHONPATH=$SITE:$PWD || exit 1
 else
   export PYTHONPATH=$PWD
 fi
