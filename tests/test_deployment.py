@@ -108,7 +108,9 @@ def wait_summary(cluster: Cluster, timeout: float, run: subprocess.Popen) -> dic
 
 
 def in_process_rounds(tmp: Path, overrides: list[str]) -> list[dict]:
-    """The same scenario and seed on an in-process grid: the metrics every transport must reproduce."""
+    """The same scenario and seed on an in-process grid: the metrics every transport must reproduce.
+    Its messages go to the clients one by one (`cohorts=False`), as a SuperNode gets them: a deployed
+    client trains alone, never vectorised with a cohort (fedsim/client/cohort.py)."""
     from fedsim.client.app import make_client_app
     from fedsim.runs.folder import RunFolder
     from fedsim.scenario import load_scenario
@@ -117,7 +119,7 @@ def in_process_rounds(tmp: Path, overrides: list[str]) -> list[dict]:
 
     scenario = load_scenario(REPO / "scenarios/quickstart.yaml", overrides)
     local_dir = RunFolder.create(scenario, tmp / "local").path
-    run_server(LocalGrid(make_client_app(scenario), 3), scenario, local_dir)
+    run_server(LocalGrid(make_client_app(scenario), 3, cohorts=False), scenario, local_dir)
     return read_rounds(local_dir)
 
 
