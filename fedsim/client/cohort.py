@@ -66,6 +66,7 @@ def prepare_cohort(scenario, messages: list, contexts: list) -> None:
     """Train the cohort's eligible clients together (see the module docstring). Never raises: a
     failure is logged and every client then trains alone."""
     stores = []
+    decoded: dict[tuple[int, str], torch.Tensor] = {}  # one decode per model record (a round's messages share one)
     try:
         groups: list[Group] = []
         for msg, context in zip(messages, contexts):
@@ -82,7 +83,11 @@ def prepare_cohort(scenario, messages: list, contexts: list) -> None:
             config = msg.content["config"]
             ranks = model_ranks(config)
             rnd, pid = int(config["server-round"]), partition_id(context)
-            start = unpack_model(msg.content["arrays"], rt.layout_for(ranks))
+            record = msg.content["arrays"]
+            key = (id(record), json.dumps(ranks, sort_keys=True))
+            if key not in decoded:
+                decoded[key] = unpack_model(record, rt.layout_for(ranks))
+            start = decoded[key]
             group = next((g for g in groups if g.rt is rt and g.rnd == rnd and g.ranks == ranks
                           and torch.equal(g.start, start)), None)
             if group is None:

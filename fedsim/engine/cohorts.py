@@ -2,8 +2,8 @@
 
 Flower's engine hands each message to an actor as its own Ray task: a task submission, a pickled
 message and context, a ClientApp call and a reply fetched back, per client. With small models
-that wrapping costs more than the training (benchmarks/peers.py: ~8 ms per client around a few
-milliseconds of arithmetic). Here the delivery sweep cuts the messages it finds into one cohort
+that wrapping costs more than the training (issue #33 measured ~8 ms per client around a few
+milliseconds of arithmetic, MLP on pfl-research's benchmark shape). Here the delivery sweep cuts the messages it finds into one cohort
 per engine worker (round-robin over the order the server sent them, largest client first, so
 cohorts get similar work: pfl's longest-first scheduling), and each worker sends its cohort to its
 actor as one task (`ClientAppRunner.run_cohort`, fedsim/engine/ray_actor.py). There the ClientApp
