@@ -259,6 +259,8 @@ class Chameleon(ClientAttack):
             first = contrastive_stage(job.model, x, y, target, p, job.train.batch_size, seed, project)
             stats = {"contrastive_loss": first["loss"], "contrastive_steps": first["steps"]}
         second = head_stage(job.model, x, y, job.train, p.milestones, p.gamma, p.freeze_encoder, job.seed, project)
+        if "samples" in second:  # the work of both stages (the federation clock times it)
+            stats["samples"] = second["samples"] + first.get("samples", 0) if p.contrastive_epochs else second["samples"]
         return len(x), {**second, **stats}, info
 
     def finish_update(self, delta: torch.Tensor, info: dict) -> torch.Tensor:

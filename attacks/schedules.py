@@ -74,23 +74,31 @@ Schedule = Annotated[
 
 
 def sample_round(
-    schedule, rnd: int, num_clients: int, per_round: int, attackers: list[int], rng: np.random.Generator
+    schedule, rnd: int, population, per_round: int, attackers: list[int], rng: np.random.Generator
 ) -> tuple[list[int], list[int]]:
     """This round's sampled client ids (sorted) and the attackers among them.
 
-    Honest clients are drawn without replacement from the non-attackers; under a replacing schedule
-    the attackers (taken round-robin from the attacker list) replace sampled honest clients.
+    `population`: the number of registered clients (all of them may be sampled), or the ids of
+    those that may (checked in on the federation clock); at most that many are sampled. Honest
+    clients are drawn without replacement from the non-attackers; under a replacing schedule the
+    attackers (taken round-robin from the attacker list) replace sampled honest clients, those of
+    them in the population.
     """
-    attacker_set = set(attackers)
+    pool = np.arange(population) if isinstance(population, (int, np.integer)) else np.asarray(population, dtype=np.int64)
     if isinstance(schedule, FixedPool):
-        sampled = sorted(rng.choice(num_clients, size=per_round, replace=False).tolist())
+        picked = rng.choice(len(pool), size=min(per_round, len(pool)), replace=False)
+        sampled = sorted(pool[picked].tolist())
+        attacker_set = set(attackers)
         return sampled, [c for c in sampled if c in attacker_set]
-    honest = np.array([c for c in range(num_clients) if c not in attacker_set])
+    honest = pool[~np.isin(pool, np.asarray(attackers, dtype=np.int64))]
     k = min(schedule.attackers_per_round, len(attackers), per_round) if schedule.is_attack_round(rnd) else 0
-    chosen = sorted(rng.choice(honest, size=min(per_round - k, len(honest)), replace=False).tolist())
+    picked = rng.choice(len(honest), size=min(per_round - k, len(honest)), replace=False)
+    chosen = sorted(honest[picked].tolist())
     if k:
         # which attackers strike this round: round-robin over the attack rounds seen so far
         start = (rnd - 1) * k
         strikers = [attackers[(start + i) % len(attackers)] for i in range(k)]
+        if not isinstance(population, (int, np.integer)):  # a striker that is not checked in does not strike
+            strikers = [a for a, there in zip(strikers, np.isin(strikers, pool)) if there]
         return sorted(chosen + strikers), sorted(strikers)
     return chosen, []

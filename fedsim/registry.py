@@ -232,6 +232,7 @@ COMPONENT_MODULES = (
     "fedsim.data",
     "fedsim.models",
     "fedsim.secagg.config",
+    "fedsim.clock.config",
     "fedsim.server",
     "fedsim.tracking.sinks",
 )
@@ -249,11 +250,22 @@ def load_components() -> None:
         importlib.import_module(mod)
 
 
+def chooses(scenario, entry: Entry) -> bool:
+    """Whether the scenario names this protocol: its `chosen_by` section (a dotted path into the
+    scenario, `systems.round`) exists and its `name` is the protocol's."""
+    if entry.traits.chosen_by is None:
+        return False
+    section = scenario
+    for part in entry.traits.chosen_by.split("."):
+        section = getattr(section, part, None)
+    return getattr(section, "name", None) == entry.name
+
+
 def protocol_for(scenario) -> Entry:
     """The round protocol a scenario runs: the one whose `chosen_by` section names it
-    (`secure_aggregation: {name: lightsecagg}`, `aggregator: {name: fedma}`), else the default."""
-    chosen = [e for e in PROTOCOLS.entries() if e.traits.chosen_by is not None
-              and getattr(getattr(scenario, e.traits.chosen_by, None), "name", None) == e.name]
+    (`secure_aggregation: {name: lightsecagg}`, `aggregator: {name: fedma}`, `systems: {round: deadline}`),
+    else the default."""
+    chosen = [e for e in PROTOCOLS.entries() if chooses(scenario, e)]
     if len(chosen) > 1:
         raise ValueError(f"the scenario names two round protocols: {', '.join(e.name for e in chosen)}")
     if chosen:

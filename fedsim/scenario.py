@@ -17,7 +17,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from fedsim.devices import DeviceName, GpuShare
 from fedsim.registry import (AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, PROTOCOLS,
-                             TRACKING_SINKS, Registry, load, protocol_for)
+                             TRACKING_SINKS, Registry, chooses, load, protocol_for)
+from fedsim.clock.config import SystemsSection
 from fedsim.secagg.config import SecureAggregationSection
 from fedsim.secagg.config import parse_section as parse_secure_aggregation
 
@@ -242,8 +243,7 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
             sc.attack.resolve_attackers(fed.num_clients, sc.seed)
         except ValueError as err:
             out.append(("attack", str(err), sc.attack.attacker_ids if sc.attack.attacker_ids is not None else sc.attack.num_attackers))
-    named = [e.name for e in PROTOCOLS.entries() if e.traits.chosen_by is not None
-             and getattr(getattr(sc, e.traits.chosen_by, None), "name", None) == e.name]
+    named = [e.name for e in PROTOCOLS.entries() if chooses(sc, e)]
     if len(named) > 1:
         out.append(("secure_aggregation", f"the scenario names two round protocols ({' and '.join(named)}); a round "
                     "runs one: drop one of them", named))
@@ -312,6 +312,9 @@ def build_scenario_model() -> type[BaseModel]:
         secure_aggregation: Annotated[SecureAggregationSection, BeforeValidator(parse_secure_aggregation)] | None = Field(
             None, description="secure aggregation: {name: secaggplus, ...}; the server sees only the sum of a round's "
             "updates (docs/secure_aggregation.md)")
+        systems: SystemsSection | None = Field(
+            None, description="devices, networks, availability and a simulated clock; the round's policy on it "
+            "(docs/clock.md)")
         tracking: Annotated[list[TrackingSink], AfterValidator(distinct_sinks)] = Field(
             default_factory=list, description="copy the run into tensorboard / mlflow / wandb as it runs (docs/tracking.md)")
 

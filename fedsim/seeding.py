@@ -30,3 +30,4 @@ def numpy_rng(*keys: int) -> np.random.Generator:
 
 # purposes, so that streams for different uses never coincide
 TRAIN, SAMPLE, SERVER, INIT = 1, 2, 3, 4
+CLOCK = 5  # the federation clock: devices, networks, time zones, who is offline or drops out

@@ -263,7 +263,7 @@ def sgd_epochs(
             opt = make_optimizer(params)
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         model.train()
-        steps, last_loss, n = 0, float("nan"), len(xt)
+        steps, samples, last_loss, n = 0, 0, float("nan"), len(xt)
         num_batches = (n + batch_size - 1) // batch_size
         for epoch, lr in enumerate(lrs):
             if max_steps is not None and steps >= max_steps:
@@ -289,13 +289,14 @@ def sgd_epochs(
                     scaler.step(opt)
                     scaler.update()
                 steps += 1
+                samples += len(idx)
                 if after_step is not None:
                     after_step(b, b == num_batches - 1)
                 losses.add(loss, len(idx))
             last_loss = losses.mean()
             if after_epoch is not None:
                 after_epoch(epoch, epoch == len(lrs) - 1 or (max_steps is not None and steps >= max_steps), last_loss)
-        return {"loss": last_loss, "steps": steps}
+        return {"loss": last_loss, "steps": steps, "samples": samples}
 
 
 @torch.no_grad()

@@ -21,7 +21,8 @@ F32_MAX = float(np.finfo(np.float32).max)
 # An attacker's reports for the experimenter, beside its upload: not part of the protocol, so not counted in bytes
 BACKDOOR_RECORD = "backdoor"  # the trigger it planted (ArrayRecord)
 ATTACK_METRICS_RECORD = "attack-metrics"  # what its attack cost it, e.g. train-seconds (MetricRecord)
-MEASUREMENT_RECORDS = frozenset({BACKDOOR_RECORD, ATTACK_METRICS_RECORD})
+WORK_RECORD = "work"  # what a client's training processed: samples (MetricRecord), for the federation clock
+MEASUREMENT_RECORDS = frozenset({BACKDOOR_RECORD, ATTACK_METRICS_RECORD, WORK_RECORD})
 MAX_NORM = F32_MAX**0.5  # an update's L2 norm must stay below this: its float32 sum of squares is then finite
 
 
@@ -180,6 +181,15 @@ def attacker_train_seconds(content) -> float | None:
         return None
     value = content[ATTACK_METRICS_RECORD].get("train-seconds")
     return float(value) if is_number(value) and 0 <= value < 1e9 else None
+
+
+def trained_samples(content) -> int | None:
+    """The samples a client reported training on (forward and backward passes), or None (not
+    reported, or not a sane count): the simulated clock's compute time is proportional to it."""
+    if WORK_RECORD not in content.metric_records:
+        return None
+    value = content[WORK_RECORD].get("samples")
+    return int(value) if is_number(value) and 0 <= value < 1e15 and float(value).is_integer() else None
 
 
 def unserializable_entry(content, limit: int = 1000) -> str:

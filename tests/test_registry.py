@@ -31,7 +31,13 @@ def test_every_registered_component_validates_in_a_scenario(kind):
         if section in ("defenses", "tracking"):
             raw = {section: [entry.name]}
         elif kind == "protocol":  # named by the section it declares (the default protocol by none)
-            raw = {entry.traits.chosen_by: entry.name} if entry.traits.chosen_by else {}
+            raw = {}
+            if entry.traits.chosen_by:  # a dotted path names a section inside a section (systems.round)
+                *outer, last = entry.traits.chosen_by.split(".")
+                inner = raw
+                for part in outer:
+                    inner = inner.setdefault(part, {})
+                inner[last] = entry.name
         elif section is not None:
             raw = {section: entry.name}
         elif kind == "dataset":

@@ -76,7 +76,7 @@ def check_against_sequential(model, data, cfg, seeds=SEEDS, kinks: int = 0) -> t
     assert errors[len(errors) - 1 - kinks] <= TIGHT, errors
     assert errors[-1] <= KINK, errors
     for ours, theirs in zip(stats, ref_stats):
-        assert ours["steps"] == theirs["steps"]
+        assert ours["steps"] == theirs["steps"] and ours["samples"] == theirs["samples"]
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-6)
     # the model passed in is neither trained nor left in another mode
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
@@ -126,7 +126,7 @@ def test_training_variants_match_sequential(cfg):
     data = datasets((7, 23, 0, 41, 50))
     rows, stats = check_against_sequential(build("mlp", hidden=[32]), data, cfg)
     start = ModelLayout.of(build("mlp", hidden=[32])).flatten_model(build("mlp", hidden=[32]))
-    assert torch.equal(rows[2], start) and stats[2] == {"loss": 0.0, "steps": 0}
+    assert torch.equal(rows[2], start) and stats[2] == {"loss": 0.0, "steps": 0, "samples": 0}
     expected = [min(cfg.epochs * -(-len(y) // cfg.batch_size), cfg.max_steps or 10**9) for _, y in data]
     assert [s["steps"] for s in stats] == expected
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fedsim.client.steps import (
-    LocalResult, attacking, local_data_path, model_ranks, partition_id, round_train_config, scenario_for_node,
+    LocalResult, attacking, local_data_path, model_ranks, partition_id, round_steps, round_train_config, scenario_for_node,
 )
 from fedsim.cohort.store import cohort_store
 from fedsim.cohort.vectorized import chunk_size_for, train_cohort, vector_refusal
@@ -46,12 +46,13 @@ class Group:
     rnd: int
     ranks: dict[str, int] | None
     start: torch.Tensor
+    local_steps: int | None = None  # the round's local period, when the server sets it (AdaComm)
     clients: list[tuple[int, int]] = field(default_factory=list)  # (partition id, data partition)
 
 
-def training_config(rt, rnd: int) -> TrainConfig:
+def training_config(rt, rnd: int, local_steps: int | None = None) -> TrainConfig:
     """An honest client's training settings in round `rnd`, as `local_update` uses them."""
-    return client_train_config(round_train_config(rt, rnd), rt.scenario)
+    return client_train_config(round_train_config(rt, rnd, local_steps), rt.scenario)
 
 
 def cohort_refusal(rt) -> str | None:
@@ -88,10 +89,11 @@ def prepare_cohort(scenario, messages: list, contexts: list) -> None:
             if key not in decoded:
                 decoded[key] = unpack_model(record, rt.layout_for(ranks))
             start = decoded[key]
+            steps = round_steps(config)
             group = next((g for g in groups if g.rt is rt and g.rnd == rnd and g.ranks == ranks
-                          and torch.equal(g.start, start)), None)
+                          and g.local_steps == steps and torch.equal(g.start, start)), None)
             if group is None:
-                group = Group(rt, rnd, ranks, start)
+                group = Group(rt, rnd, ranks, start, steps)
                 groups.append(group)
             group.clients.append((pid, int(config.get("data-partition", pid))))
         for group in groups:
@@ -123,7 +125,7 @@ def train_group(group: Group) -> None:
     # bit, and for the mlp a client's bits do not even depend on its cohort (a conv net's may, in the
     # last place, with the number of clients a step computes: fedsim/cohort/vectorized.py)
     shards = list(dict.fromkeys(data_pid for _, data_pid in group.clients))
-    cfg = training_config(rt, group.rnd)
+    cfg = training_config(rt, group.rnd, group.local_steps)
     model = rt.cached(("cohort-model", json.dumps(group.ranks, sort_keys=True)), lambda: rt.build_model(group.ranks))
     layout = rt.layout_for(group.ranks)
     datasets = [rt.client_data(s) for s in shards]

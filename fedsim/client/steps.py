@@ -27,7 +27,7 @@ from fedsim.devices import client_train_config
 from fedsim.privacy.local import privatize_release
 from fedsim.seeding import TRAIN, derive_seed
 from fedsim.training import TrainConfig, train
-from fedsim.wire import ATTACK_METRICS_RECORD, BACKDOOR_RECORD, pack_payload, unpack_model
+from fedsim.wire import ATTACK_METRICS_RECORD, BACKDOOR_RECORD, WORK_RECORD, pack_payload, unpack_model
 
 
 @dataclass(frozen=True)
@@ -102,12 +102,21 @@ class LocalResult(NamedTuple):
     shared: dict[str, np.ndarray] | None = None  # what an attacker reports for the backdoor measurement
 
 
-def round_train_config(rt, rnd: int) -> TrainConfig:
+def round_steps(config) -> int | None:
+    """The local steps the server set for this round (AdaComm's τ on the federation clock), or None."""
+    value = config.get("local-steps") if hasattr(config, "get") else None
+    return int(value) if value is not None else None
+
+
+def round_train_config(rt, rnd: int, local_steps: int | None = None) -> TrainConfig:
     """The federation's local training in round `rnd` (its lr decayed), before the device settings
-    an honest client or an attacker adds (fedsim/devices.py client_train_config)."""
+    an honest client or an attacker adds (fedsim/devices.py client_train_config). `local_steps`: the
+    round's local period the server set (each epoch takes at least one step, so that many epochs
+    bound it), in place of federation.local_epochs / local_steps."""
     fed = rt.scenario.federation
-    return TrainConfig(fed.local_epochs, fed.batch_size, rt.lr(rnd), fed.momentum, fed.weight_decay,
-                       proximal_mu=fed.proximal_mu, max_steps=fed.local_steps)
+    epochs, steps = (fed.local_epochs, fed.local_steps) if local_steps is None else (max(fed.local_epochs, local_steps), local_steps)
+    return TrainConfig(epochs, fed.batch_size, rt.lr(rnd), fed.momentum, fed.weight_decay,
+                       proximal_mu=fed.proximal_mu, max_steps=steps)
 
 
 def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memory: dict | None = None,
@@ -130,7 +139,7 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
             return done
     model = rt.build_model(ranks)
     layout.load_into(model, global_vec)
-    cfg = round_train_config(rt, rnd)
+    cfg = round_train_config(rt, rnd, round_steps(config))
     seed = derive_seed(rt.scenario.seed, TRAIN, rnd, data_pid)
     if attack is not None:
         job = AttackerRound(rt, pid, rnd, model, global_vec, layout,
@@ -160,8 +169,21 @@ def train_delta(call: ClientCall, global_vec: torch.Tensor, config) -> Trained:
     return Trained(delta, result, memory, train_seconds, data is not None)
 
 
+def samples_trained(rt, result: LocalResult) -> int:
+    """Samples the client's training processed: what training counted, else its steps of full
+    batches (an attack's own loop that counts no samples), else one pass over its examples."""
+    stats = result.stats
+    if "samples" in stats:
+        return int(stats["samples"])
+    if "steps" in stats:
+        return int(stats["steps"]) * rt.scenario.federation.batch_size
+    return int(result.num_examples)
+
+
 def reply_records(call: ClientCall, trained: Trained, content: RecordDict) -> RecordDict:
-    """An attacker's reports to the experimenter (its cost, the trigger it planted) beside the upload."""
+    """Reports to the experimenter beside the upload, not counted in its bytes: the samples trained
+    (the federation clock's compute time), an attacker's cost and the trigger it planted."""
+    content[WORK_RECORD] = MetricRecord({"samples": samples_trained(call.rt, trained.result)})
     if attacking(call.rt, call.pid):
         content[ATTACK_METRICS_RECORD] = MetricRecord({"train-seconds": trained.train_seconds})
     if trained.result.shared is not None:

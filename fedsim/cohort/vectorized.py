@@ -110,7 +110,7 @@ def train_cohort(
     sizes = [len(y) for _, y in datasets]
     steps = [client_steps(n, cfg) for n in sizes]
     start = start.detach().to(torch.float32).cpu()
-    stats = [{"loss": _idle_loss(n, cfg), "steps": 0} for n in sizes]
+    stats = [{"loss": _idle_loss(n, cfg), "steps": 0, "samples": 0} for n in sizes]
     order = sorted((i for i in range(len(datasets)) if steps[i] > 0), key=lambda i: -steps[i])
     rows = torch.empty(len(datasets), layout.dim)
     rows[[i for i in range(len(datasets)) if steps[i] == 0], :] = start
@@ -127,11 +127,17 @@ def train_cohort(
                                                [seeds[i] for i in members], [steps[i] for i in members], cfg, device)
                 rows.index_copy_(0, torch.tensor(members), trained)
                 for i, loss in zip(members, losses):
-                    stats[i] = {"loss": loss, "steps": steps[i]}
+                    stats[i] = {"loss": loss, "steps": steps[i], "samples": samples_of(sizes[i], steps[i], cfg.batch_size)}
     finally:
         for m, mode in zip(model.modules(), modes):
             m.training = mode
     return rows, stats
+
+
+def samples_of(n: int, steps: int, batch_size: int) -> int:
+    """Samples `sgd_epochs` trains on in `steps` steps over n samples: whole epochs of n, then full batches."""
+    per_epoch = math.ceil(n / batch_size)
+    return (steps // per_epoch) * n + (steps % per_epoch) * batch_size
 
 
 def _client_batches(n: int, seed: int, steps: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

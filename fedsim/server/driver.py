@@ -22,6 +22,7 @@ import torch
 
 from fedsim.aggregators.detox import consecutive_groups
 from fedsim.attacks.schedules import sample_round
+from fedsim.clock.clock import FederationClock
 from fedsim.devices import deterministic_switches_on, resolve_device
 from fedsim.lowrank.switch import LowRankSwitch
 from fedsim.privacy.local import LocalPrivacyLedger
@@ -106,6 +107,10 @@ class RoundDriver:
         local_dp = self.scenario.federation.local_dp  # each client's own ε under local DP, counted here
         self.local_privacy = LocalPrivacyLedger(local_dp, self.scenario.federation.num_clients) if local_dp else None
         self._counted_round = 0  # the ledger holds rounds 1.._counted_round
+        self.last_train_loss: float | None = None  # the last aggregated round's mean reported loss (AdaComm's F)
+        systems = self.scenario.systems  # the federation clock (fedsim/clock/): devices, networks, availability
+        self.clock = FederationClock(systems, self.scenario.federation.num_clients, runtime.attackers,
+                                     self.scenario.seed) if systems is not None else None
 
     # --- the global model ------------------------------------------------------------------------
     @property
@@ -127,12 +132,19 @@ class RoundDriver:
 
     # --- opening a round -------------------------------------------------------------------------
     def sample(self, rnd: int) -> tuple[list[int], list[int]]:
-        """This round's clients and, among them, the attackers that strike (seeded by the round)."""
+        """This round's clients and, among them, the attackers that strike (seeded by the round).
+        On the federation clock: among the clients checked in at the round's start, as many as
+        the round policy selects (over-selection: more than clients_per_round)."""
         fed = self.scenario.federation
         rng = numpy_rng(self.scenario.seed, SAMPLE, rnd)
+        population, per_round = fed.num_clients, fed.clients_per_round
+        if self.clock is not None:
+            population = np.flatnonzero(self.clock.checked_in(rnd))
+            per_round = min(self.scenario.systems.round.selected(per_round), len(population))
         if self.scenario.attack is not None:
-            return sample_round(self.scenario.attack.schedule, rnd, fed.num_clients, fed.clients_per_round,
-                                self.rt.attackers, rng)
+            return sample_round(self.scenario.attack.schedule, rnd, population, per_round, self.rt.attackers, rng)
+        if self.clock is not None:
+            return sorted(population[rng.choice(len(population), per_round, replace=False)].tolist()), []
         return sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
 
     def rounds_since_attack(self, rnd: int, attacked: bool) -> int | None:
@@ -175,10 +187,14 @@ class RoundDriver:
         attack = self.rt.attack
         client_strikers = strikers if attack is not None and attack.side == "client" else []
         groups, shard_of = self.groups(sampled)
-        plan = RoundPlan(rnd, sampled, strikers, groups, self.longest_first(sampled, shard_of))
+        gone = self.clock.dropouts(rnd, sampled) if self.clock is not None else []  # never answer: not messaged
+        plan = RoundPlan(rnd, sampled, strikers, groups, self.longest_first([p for p in sampled if p not in gone], shard_of))
         if client_strikers:  # what Attack of the Tails' replacement attacker is assumed to know
             total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
         shape = self.model.config()
+        period = self.clock.local_period(rnd, self.last_train_loss, self.rt.lr(rnd)) if self.clock is not None else None
+        if period is not None:  # AdaComm: this round's local steps
+            shape = {**shape, "local-steps": period}
         for pid in plan.order:
             cfg = {"server-round": rnd, "lr": self.rt.lr(rnd), **shape}
             if pid in shard_of:
@@ -187,6 +203,11 @@ class RoundDriver:
                 cfg["round_total_examples"] = total_examples
             plan.configs[pid] = cfg
         self.pending = RoundRecord(rnd, sampled, strikers)
+        if self.clock is not None:
+            self.pending.update({"sim_start": self.clock.start_of(rnd), "dropped_out": gone,
+                                 "unavailable": int(self.scenario.federation.num_clients - self.clock.checked_in(rnd).sum())})
+            if period is not None:
+                self.pending.local_steps = period
         if groups:
             self.pending.groups = groups
         if self.scenario.attack is not None:
@@ -250,6 +271,8 @@ class RoundDriver:
             record.lowrank = switch
             self.pipeline.previous_aggregate = None
         record.model_params = self.layout.dim
+        if record.train_loss is not None:
+            self.last_train_loss = record.train_loss
         return True
 
     # --- what survives a restart -----------------------------------------------------------------
@@ -259,6 +282,8 @@ class RoundDriver:
         extra = {**self.model.state_dict(), "server_optimizer": self.server_opt.state_dict()}
         if self.pipeline is not None:
             extra["pipeline"] = self.pipeline.history()
+        if self.clock is not None:
+            extra["clock"] = {**self.clock.state_dict(), "last_train_loss": self.last_train_loss}
         if self.evaluator.shared is not None:  # the trigger the backdoor is measured with
             extra["backdoor_report"] = {k: torch.from_numpy(np.array(v)) for k, v in self.evaluator.shared.items()}
         defenses = self.pipeline.state_dict() if self.pipeline is not None else {}
@@ -274,6 +299,9 @@ class RoundDriver:
             self.pipeline.load_state_dict(state["defenses"])
         self.server_opt.load_state_dict(extra.get("server_optimizer", {}))
         self.global_vec = state["global"].clone()
+        if self.clock is not None and "clock" in extra:
+            self.clock.load_state_dict(extra["clock"])
+            self.last_train_loss = extra["clock"].get("last_train_loss")
         shared = extra.get("backdoor_report")
         if shared:
             self.evaluator.use_shared({k: v.numpy() for k, v in shared.items()})

@@ -77,7 +77,8 @@ class PlainExchange:
         driver.timing[plan.round] = {"encode": self.sent_at - driver.started}
         return [msg for msg, _ in sent]
 
-    def aggregate(self, replies: list[Message]) -> int | None:
+    def aggregate(self, replies: list[Message], excused: frozenset = frozenset()) -> int | None:
+        """`excused`: sampled clients whose missing reply is no failure (a clock's stragglers and dropouts)."""
         driver, record = self.driver, self.driver.pending
         t_start = time.perf_counter()
         timing = driver.timing.setdefault(record.round, {})
@@ -87,7 +88,7 @@ class PlainExchange:
         fed = driver.scenario.federation
         answered = {self.owner(m) for m in replies}
         for pid in record.sampled:
-            if pid not in answered:  # a node that died or timed out: the round goes on without it
+            if pid not in answered and pid not in excused:  # a node that died or timed out: the round goes on without it
                 rejected[pid] = f"no reply within federation.round_timeout={fed.round_timeout}s"
         record.update({"bytes_up": up, "rejected": rejected, "defenses": {}, "skipped": None})
         record.train_loss = (sum(losses[p] for p in sorted(losses)) / len(losses)) if losses else None

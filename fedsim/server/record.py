@@ -53,6 +53,16 @@ class RoundRecord:
     rounds_since_attack: int | None | _Unset = UNSET  # with an attack: rounds since the last round with an attacker
     #   (0 in an attack round, null before the first): the x axis of a durability curve
     honest_update_norm_median: float | None | _Unset = UNSET  # median L2 norm of the honest decoded updates
+    sim_start: float | _Unset = UNSET  # with `systems:`: simulated seconds since the run's start when the round opened
+    sim_seconds: float | _Unset = UNSET  # with `systems:`: the round's simulated duration, from its start to the next
+    #   round's (the policy's close plus the server's time)
+    sim_time: float | _Unset = UNSET  # with `systems:`: simulated seconds since the run's start when the round closed
+    unavailable: int | _Unset = UNSET  # with `systems:`: registered clients not checked in at the round's start
+    dropped_out: list[int] | _Unset = UNSET  # with `systems:`: selected clients that disappeared during the round
+    stragglers: list[int] | _Unset = UNSET  # with `systems:`: clients still working when the round closed (discarded,
+    #   not a failure: absent from `rejected`, their uploads not counted in bytes_up)
+    client_seconds: dict | _Unset = UNSET  # with `systems:`: client -> [download, compute, upload] simulated seconds
+    local_steps: int | _Unset = UNSET  # with systems.adacomm: this round's local period τ
     aggregator: dict | _Unset = UNSET  # what a choosing rule reported (selected / voters / outvoted), by client id
     aggregated: list[int] | _Unset = UNSET  # clients whose updates reached the rule after the defenses
     detection: dict | _Unset = UNSET  # what the defenses and rule did to the attackers: flagged, tp/fp/fn/tn, tpr, fpr,
