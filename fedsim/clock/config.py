@@ -174,6 +174,15 @@ class SystemsSection(_Part):
         "(seconds, reproducible), or `measured` (this machine's decode and aggregation seconds: not reproducible)")
     adacomm: AdaComm | None = Field(None, description="adapt the local period τ on the clock (AdaComm)")
     start_hour: float = Field(0.0, ge=0, lt=24, description="the simulated clock's start, as an hour of day at time zone 0")
+    targets: tuple[float, ...] = Field((0.5, 0.8, 0.9), description="main accuracies whose first simulated time "
+                                       "summary.json reports (time to accuracy)")
+
+    @field_validator("targets")
+    @classmethod
+    def _accuracies(cls, value):
+        if any(not 0 < t <= 1 for t in value):
+            raise ValueError(f"accuracies are in (0, 1], got {list(value)}")
+        return tuple(sorted(set(value)))
 
     @field_validator("server_seconds")
     @classmethod

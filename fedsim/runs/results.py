@@ -85,13 +85,30 @@ def local_privacy(scenario, rounds: list[dict]) -> dict | None:
     return ledger.report()
 
 
+def federation_time(scenario, rounds: list[dict]) -> dict | None:
+    """On the federation clock (`systems:`): the simulated time the run took and, for each of
+    `systems.targets`, the simulated time and round at which the main accuracy first reached it
+    (null: never, among the evaluated rounds)."""
+    timed = [r for r in rounds if r.get("sim_time") is not None]
+    if scenario.systems is None or not timed:
+        return None
+    reached = {}
+    for target in scenario.systems.targets:
+        first = next((r for r in timed if (r.get("main_accuracy") or 0.0) >= target), None)
+        reached[f"{target:g}"] = None if first is None else {"sim_time": first["sim_time"], "round": first["round"]}
+    stragglers = sum(len(r.get("stragglers", [])) for r in timed)
+    dropped = sum(len(r.get("dropped_out", [])) for r in timed)
+    return {"sim_time": timed[-1]["sim_time"], "time_to_accuracy": reached, "stragglers": stragglers, "dropped_out": dropped}
+
+
 def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
     def series(key):  # training rounds only: round 0 is the initial (possibly pre-trained) model
         return [(r["round"], r[key]) for r in rounds if r.get(key) is not None and r["round"] > 0]
 
     acc, bd = series("main_accuracy"), series("backdoor_success")
-    privacy = {k: v for k, v in (("privacy", central_privacy(rounds)), ("local_privacy", local_privacy(scenario, rounds)))
-               if v is not None}  # present only when the run had differential privacy
+    optional = {k: v for k, v in (("privacy", central_privacy(rounds)), ("local_privacy", local_privacy(scenario, rounds)),
+                                  ("federation_time", federation_time(scenario, rounds)))
+                if v is not None}  # present only with differential privacy, on the federation clock
     return _clean(
         {
             "name": scenario.name,
@@ -107,7 +124,7 @@ def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
             "rounds_skipped": [r["round"] for r in rounds if r.get("skipped")],
             "detection": run_detection(rounds),
             "backdoor_lifecycle": backdoor_lifecycle(rounds, scenario.evaluation.implant_threshold),
-            **privacy,
+            **optional,
             "versions": _versions(),
             "determinism": determinism_report(scenario),  # the server's switches (docs/gpu.md)
             "scenario": scenario_dict(scenario),
