@@ -591,6 +591,15 @@ def cmd_deploy(args) -> int:
     else:
         if args.file is None:
             raise ScenarioError("fedsim deploy run", [("FILE", "a scenario file inside the Flower app directory is required", None)])
+        from fedsim.deploy.run_config import deployable
+        from fedsim.scenario import load_scenario
+
+        try:  # a scenario on the federation clock is refused here, before any process starts
+            scenario = load_scenario(args.file, args.set)
+        except (OSError, ScenarioError):
+            scenario = None  # read where it runs, which reports what is wrong with it, as before
+        if scenario is not None:
+            deployable(scenario, str(args.file))
         try:  # the app is the current directory's (or --app's); the scenario travels inside its FAB
             app_dir = deploy.find_app_dir(args.app)
             cmds.append(deploy.run_cmd("fedsim", args.file, args.set, args.output, app_dir=app_dir))

@@ -33,7 +33,11 @@ def run(scenario, run_dir, kill_after=None):
     return run_local(scenario, RunFolder(run_dir), progress=progress, checkpoints=True, client_states=True).summary
 
 
-@pytest.mark.parametrize("extra", [[], ["evaluation.initial=true"]])
+CLOCK = ("systems={round: {name: over_selection, factor: 1.4}, availability: {offline: 0.2, dropout: 0.2}, "
+         "adacomm: {tau0: 4, interval: 0.05}}")  # the clock's time, starts and AdaComm's state resume too
+
+
+@pytest.mark.parametrize("extra", [[], ["evaluation.initial=true"], [CLOCK]])
 def test_resumed_run_matches_uninterrupted(tmp_path, extra):
     scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES + extra)
     full_dir = RunFolder.create(scenario, tmp_path / "full").path

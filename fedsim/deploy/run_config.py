@@ -63,9 +63,24 @@ def scenario_path(value: str) -> Path:
                                         "A file the FAB leaves out (.gitignore, fab-exclude, not .yaml) never arrives", value)])
 
 
+def deployable(scenario, source: str):
+    """The scenario, if it can run on real devices; else ScenarioError naming the field.
+
+    The federation clock (`systems:`) simulates devices, networks and time; on real devices the
+    clock is the real one, so the section is refused rather than half applied (its deadline and
+    over-selection would have to be Flower's own round timeout and sampling: use
+    federation.round_timeout for a reporting deadline there)."""
+    if scenario.systems is not None:
+        raise ScenarioError(source, [("systems", "simulates devices, networks and a clock; a deployment runs on real "
+                                      "devices and the real clock: drop the section (federation.round_timeout is the "
+                                      "reporting deadline there)", "systems")])
+    return scenario
+
+
 def scenario_from_context(context: Context):
     cfg = context.run_config
     if "scenario" not in cfg:
         raise ValueError("run config has no 'scenario' key naming the scenario YAML file")
     overrides = [item.strip() for item in str(cfg.get("overrides", "")).split(";") if item.strip()]
-    return load_scenario(scenario_path(str(cfg["scenario"])), overrides)
+    path = scenario_path(str(cfg["scenario"]))
+    return deployable(load_scenario(path, overrides), str(path))
