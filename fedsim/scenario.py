@@ -264,6 +264,11 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
         defense_check = DEFENSES.get(d.name).traits.scenario_check
         if defense_check is not None:
             out += defense_check(sc, i)
+    if sc.systems is None:  # simulated time as a tracking step needs the federation clock
+        for i, sink in enumerate(sc.tracking):
+            if getattr(sink, "step", "round") == "sim_ms":
+                out.append((f"tracking.{i}.step", "sim_ms needs the federation clock: add a `systems:` section or "
+                            "log by round", "sim_ms"))
     if sc.lowrank is not None:
         # defenses that declare they rely on the model's tensors staying as they are (a per-layer
         # history, named layers): fixed_layers(spec) -> bool in their registry entry

@@ -146,6 +146,19 @@ def test_tensorboard_events_hold_every_round_and_the_summary(tracked):
     assert "scenario/text_summary" in events.Tags()["tensors"]
 
 
+def test_tensorboard_logs_at_simulated_milliseconds_where_asked(tmp_path):
+    needs("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = run(tmp_path, "[{name: tensorboard, step: sim_ms}]", extra=("systems={}",))
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    want = [int(round(1000 * r.get("sim_time", 0.0))) for r in read_rounds(run_dir)]
+    assert [e.step for e in events.Scalars("main_accuracy")] == want and want[-1] > want[0]
+    with pytest.raises(ScenarioError, match="tracking.0.step"):
+        quick_scenario("tracking=[{name: tensorboard, step: sim_ms}]")  # no clock, no simulated time
+
+
 def mlflow_run(uri: str, experiment: str, run_name: str):
     from mlflow.tracking import MlflowClient
 

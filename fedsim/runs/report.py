@@ -85,6 +85,8 @@ def run_row(run: Path, label: str | None = None) -> dict:
         "mb_up": sum(r.get("bytes_up", 0) for r in rounds) / 1e6,
         "seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
         "pipeline_ms": _mean_ms([r["pipeline_seconds"] for r in rounds if r.get("pipeline_seconds") is not None]),
+        "sim_time": _last(rounds, "sim_time"),  # on the federation clock
+        "stragglers": sum(len(r.get("stragglers", [])) for r in rounds),
         **detection_columns(run_detection(rounds)),
         **lifecycle_columns(run),
     }
@@ -134,13 +136,15 @@ def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> s
     keys = sorted({k for run in runs for k in swept_values(run)})
     rows = {run: run_row(run, labels.get(run)) for run in runs}
     lifecycle = any(r["lifecycle"] for r in rows.values())  # backdoor runs: the lifecycle columns too
+    clocked = any(r["sim_time"] is not None for r in rows.values())  # runs on the federation clock: its columns too
     lines = [
         "| run | " + "".join(f"{k} | " for k in keys)
         + "rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % "
         "| final backdoor beyond clean % | final source-class acc % "
         "| TPR % | FPR % | F1 % | false alarms, no attacker % | defenses + rule ms/round | MB up | s |"
-        + ("rounds to implant | lifespan | half-life | backdoor AUC after attack % |" if lifecycle else ""),
-        "|---|" + "---|" * len(keys) + "---:|" * (15 + 4 * lifecycle),
+        + ("rounds to implant | lifespan | half-life | backdoor AUC after attack % |" if lifecycle else "")
+        + ("simulated s | stragglers |" if clocked else ""),
+        "|---|" + "---|" * len(keys) + "---:|" * (15 + 4 * lifecycle + 2 * clocked),
     ]
     for run in runs:
         r, swept = rows[run], swept_values(run)
@@ -152,8 +156,13 @@ def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> s
             f"| {_pct(r['f1'])} | {_pct(r['false_alarms'])} | {_ms(r['pipeline_ms'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
             + (f" {_rounds(r['rounds_to_implant'])} | {_survived(r)} | {_rounds(r['half_life'])} "
                f"| {_pct(r['auc_after_attack'])} |" if lifecycle else "")
+            + (f" {_sim(r['sim_time'])} | {r['stragglers']} |" if clocked else "")
         )
     return "\n".join(lines) + "\n"
+
+
+def _sim(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
 
 
 def _rounds(v) -> str:
@@ -349,6 +358,36 @@ def seed_curves_figure(runs: list[Path]):
     return fig
 
 
+def time_curves_figure(runs: list[Path], labels: dict[Path, str] | None = None):
+    """Main accuracy (and backdoor success) against simulated time, for runs on the federation
+    clock (None when no run is): a round's point sits at the simulated time it closed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = labels or {run: run_label(run) for run in runs}
+    timed = {run: [r for r in read_rounds(run) if r["round"] == 0 or r.get("sim_time") is not None] for run in runs}
+    timed = {run: rs for run, rs in timed.items() if any(r.get("sim_time") is not None for r in rs)}
+    if not timed:
+        return None
+    targeted = any(r.get("backdoor_success") is not None for rs in timed.values() for r in rs)
+    fig, axes = plt.subplots(1, 2 if targeted else 1, figsize=(12 if targeted else 7, 4.2), squeeze=False)
+    handles = []
+    for i, (run, rounds) in enumerate(timed.items()):
+        style = run_style(i)
+        xs = [r.get("sim_time", 0.0) for r in rounds]  # round 0: the start
+        line, = axes[0][0].plot(xs, [r.get("main_accuracy") for r in rounds], color=style["color"], linestyle=style["linestyle"])
+        handles.append(line)
+        if targeted:
+            axes[0][1].plot(xs, [r.get("backdoor_success") for r in rounds], color=style["color"], linestyle=style["linestyle"])
+    axes[0][0].set(xlabel="simulated seconds", ylabel="main-task accuracy", title="main task on the federation clock")
+    if targeted:
+        axes[0][1].set(xlabel="simulated seconds", ylabel="backdoor success rate", title="backdoor", ylim=(-0.02, 1.02))
+    legend_below(fig, axes[0], handles, [labels[run] for run in timed])
+    return fig
+
+
 def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = None) -> list[Path]:
     import matplotlib.pyplot as plt
 
@@ -358,6 +397,11 @@ def plot_curves(runs: list[Path], out: Path, labels: dict[Path, str] | None = No
     fig.savefig(path, dpi=110)
     plt.close(fig)
     paths = [path]
+    in_time = time_curves_figure(runs, labels)
+    if in_time is not None:
+        paths.append(out / "curves_time.png")
+        in_time.savefig(paths[-1], dpi=110)
+        plt.close(in_time)
     banded = seed_curves_figure(runs)
     if banded is not None:
         paths.append(out / "curves_over_seeds.png")

@@ -13,7 +13,11 @@ import json
 import math
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
+
+from fedsim.registry import Params
 
 EXTRA = "pip install 'fedsim[tracking]'"
 
@@ -31,6 +35,14 @@ def require(sink: str, modules: tuple[str, ...]) -> None:
             f"(or remove {sink} from the scenario's tracking list)")
 
 
+class SinkParams(Params):
+    """What every sink takes: the step its lines are logged at."""
+
+    step: Literal["round", "sim_ms"] = Field(
+        "round", description="the step of each round line: its round, or (on the federation clock, `systems:`) the "
+        "simulated milliseconds since the run's start at the round's close, so curves run against simulated time")
+
+
 class Sink(ABC):
     """One tracking library's side of a run. `Trackers` calls, in this order: `open` once (at the
     first round line of this start), `log_metrics` per round line, then `finish` with the summary
@@ -42,13 +54,14 @@ class Sink(ABC):
         self.state = state  # this sink's entry of the run folder's tracking.json (ids to resume by)
 
     @abstractmethod
-    def open(self, params: dict[str, Any], first_step: int) -> None:
+    def open(self, params: dict[str, Any], first_step: int, resumed: bool = False) -> None:
         """Start (or, from `state`, continue) the library's run; `params` is the flat scenario;
-        `first_step` the first round this start logs (after a resume: the round after the checkpoint)."""
+        `first_step` the step of the first line this start logs; `resumed`: this start continues
+        a run (its first line is after a checkpoint)."""
 
     @abstractmethod
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """One round line's numbers, at step = its round."""
+        """One round line's numbers, at its step: its round, or its simulated milliseconds (`step: sim_ms`)."""
 
     @abstractmethod
     def finish(self, summary: dict[str, float], step: int, plots: list[Path]) -> None:

@@ -17,13 +17,13 @@ from typing import Any
 
 from pydantic import Field
 
-from fedsim.registry import TRACKING_SINKS, Params
-from fedsim.tracking.base import Sink, param_text
+from fedsim.registry import TRACKING_SINKS
+from fedsim.tracking.base import Sink, SinkParams, param_text
 
 CUT = "...[cut]"
 
 
-class MLflowParams(Params):
+class MLflowParams(SinkParams):
     uri: str | None = Field(
         None, description="tracking URI (an `mlflow server`'s http://host:port, sqlite:///file.db); default: "
         "$MLFLOW_TRACKING_URI, else sqlite:///<run folder>/mlflow.db")
@@ -50,14 +50,14 @@ class MLflowSink(Sink):
         given = self.spec.uri or os.environ.get("MLFLOW_TRACKING_URI")
         return (given, False) if given else (f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}", True)
 
-    def open(self, params: dict[str, Any], first_step: int) -> None:
+    def open(self, params: dict[str, Any], first_step: int, resumed: bool = False) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
         uri, in_run_folder = self.uri()
         self.client = MlflowClient(tracking_uri=uri)
-        if first_step > 1 and self.state.get("uri") == uri and self.state.get("run_id"):
+        if resumed and self.state.get("uri") == uri and self.state.get("run_id"):
             self.run_id = self.state["run_id"]  # a resumed run: the same MLflow run goes on
             self.client.update_run(self.run_id, status="RUNNING")
             return

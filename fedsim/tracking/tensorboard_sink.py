@@ -12,11 +12,11 @@ from typing import Any
 
 from pydantic import Field
 
-from fedsim.registry import TRACKING_SINKS, Params
-from fedsim.tracking.base import Sink, param_text
+from fedsim.registry import TRACKING_SINKS
+from fedsim.tracking.base import Sink, SinkParams, param_text
 
 
-class TensorBoardParams(Params):
+class TensorBoardParams(SinkParams):
     dir: str | None = Field(
         None, description="a folder shared by runs: this run's events go to <dir>/<run folder name>/ "
         "(default: the run folder's tensorboard/)")
@@ -29,12 +29,12 @@ class TensorBoardSink(Sink):
     def logdir(self) -> Path:
         return Path(self.spec.dir) / self.name if self.spec.dir else self.run_dir / "tensorboard"
 
-    def open(self, params: dict[str, Any], first_step: int) -> None:
+    def open(self, params: dict[str, Any], first_step: int, resumed: bool = False) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.params = params
         self.writer = SummaryWriter(log_dir=str(self.logdir()), purge_step=first_step)
-        if first_step <= 1:  # a resumed run's folder already has it
+        if not resumed:  # a resumed run's folder already has it
             rows = "\n".join(f"| {k} | {param_text(v)} |" for k, v in params.items())
             self.writer.add_text("scenario", "| parameter | value |\n|---|---|\n" + rows, 0)
             self.writer.flush()

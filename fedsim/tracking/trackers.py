@@ -36,7 +36,8 @@ class Trackers:
         self.state = state  # {sink name: its ids}, each sink holding its own entry; saved to STATE_FILE
         self.waiting = list(sinks)  # not opened yet: opened at the first round line of this start
         self.live: list[Sink] = []
-        self.last_step: int | None = None
+        self.last_step: int | None = None  # the round of the last line logged
+        self.last_steps: dict[str, int] = {}  # sink name -> the step of the last line it logged
         # lines arrive from the evaluation thread; a run stopped by an error closes from the server's
         self._lock = threading.Lock()
 
@@ -59,29 +60,30 @@ class Trackers:
         return bool(self.waiting or self.live)
 
     def log_round(self, record: dict) -> None:
-        """One rounds.jsonl line: its numbers at step = its round (opening the sinks at the first)."""
+        """One rounds.jsonl line: its numbers at its step, each sink's (opening the sinks at the first)."""
         with self._lock:
             if not self:
                 return
-            step = int(record["round"])
+            rnd = int(record["round"])
             if self.waiting:
-                self._open(step)
+                self._open(rnd, record)
             metrics = flat_metrics(record, skip=frozenset({"round"}))
-            self._each(f"log round {step}", lambda sink: sink.log_metrics(metrics, step))
-            self.last_step = step
+            self._each(f"log round {rnd}", lambda sink: sink.log_metrics(metrics, step_of(sink, record)))
+            self.last_step = rnd
+            self.last_steps = {sink.spec.name: step_of(sink, record) for sink in self.live}
 
     def finish(self, summary: dict) -> None:
         """The summary's numbers and the report's figures; ends every sink's run as finished."""
         with self._lock:
             step = summary.get("rounds_completed") or self.last_step or 0
             if self.waiting:  # resumed after its last line, before its summary: no line to open them at
-                self._open(step + 1)
+                self._open(step + 1, {"round": step + 1})
             if not self.live:
                 return
             metrics = flat_metrics(summary, skip=NOT_SUMMARY_METRICS)
             with tempfile.TemporaryDirectory(prefix="fedsim-plots-") as tmp:
                 plots = self._plots(Path(tmp))
-                self._each("log the summary", lambda sink: sink.finish(metrics, step, plots))
+                self._each("log the summary", lambda sink: sink.finish(metrics, self.last_steps.get(sink.spec.name, step), plots))
             self.live = []
 
     def close(self) -> None:
@@ -94,10 +96,10 @@ class Trackers:
                     log.warning("tracking sink %s failed to close: %s: %s", sink.spec.name, type(err).__name__, err)
             self.live, self.waiting = [], []
 
-    def _open(self, first_step: int) -> None:
+    def _open(self, first_round: int, record: dict) -> None:
         sinks, self.waiting = self.waiting, []
         self.live = sinks
-        self._each("start", lambda sink: sink.open(self.params, first_step))
+        self._each("start", lambda sink: sink.open(self.params, step_of(sink, record), resumed=first_round > 1))
         ids = {name: entry for name, entry in self.state.items() if entry}
         try:
             if ids:
@@ -128,6 +130,14 @@ class Trackers:
                     sink.close()
                 except Exception as more:
                     log.debug("tracking sink %s: close after the failure also failed: %r", sink.spec.name, more)
+
+
+def step_of(sink: Sink, record: dict) -> int:
+    """The step a sink logs a round line at: its round, or its simulated milliseconds at the round's
+    close (`step: sim_ms`; the run's start for round 0 and for a line that has none)."""
+    if getattr(sink.spec, "step", "round") == "sim_ms":
+        return int(round(1000.0 * float(record.get("sim_time") or 0.0)))
+    return int(record["round"])
 
 
 def require_libraries(scenario) -> None:

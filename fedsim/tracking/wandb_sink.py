@@ -14,11 +14,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from fedsim.registry import TRACKING_SINKS, Params
-from fedsim.tracking.base import Sink
+from fedsim.registry import TRACKING_SINKS
+from fedsim.tracking.base import Sink, SinkParams
 
 
-class WandbParams(Params):
+class WandbParams(SinkParams):
     mode: Literal["offline", "online"] = Field(
         "offline", description="offline: written under <dir>/wandb/ for `wandb sync`; online: needs `wandb login` or $WANDB_API_KEY")
     project: str | None = Field(None, description="W&B project (default: the scenario's name)")
@@ -29,12 +29,12 @@ class WandbParams(Params):
 class WandbSink(Sink):
     """A Weights & Biases run (offline by default): per-round history, the scenario as config, the summary, the report's figure."""
 
-    def open(self, params: dict[str, Any], first_step: int) -> None:
+    def open(self, params: dict[str, Any], first_step: int, resumed: bool = False) -> None:
         import wandb
 
         folder = Path(self.spec.dir) if self.spec.dir else self.run_dir
         folder.mkdir(parents=True, exist_ok=True)
-        resume = first_step > 1 and self.state.get("id")
+        resume = resumed and self.state.get("id")
         self.run = wandb.init(
             mode=self.spec.mode, project=self.spec.project or params["name"], name=self.name, dir=str(folder),
             config=params, id=self.state["id"] if resume else None, resume="allow" if resume else None,
