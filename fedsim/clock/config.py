@@ -109,7 +109,7 @@ class AdaComm(_Part):
 
 # --- the round policies: round protocols chosen by `systems.round` --------------------------------
 class WaitForAll(Params):
-    """The round closes when the last selected client that did not drop out has reported."""
+    """On the clock (`systems:`): the round closes when the last selected client has reported."""
 
     name: Literal["wait_for_all"] = "wait_for_all"
 
@@ -123,8 +123,9 @@ class WaitForAll(Params):
 
 
 class Deadline(Params):
-    """A reporting deadline: the round closes at the last report or at `seconds`, whichever comes
-    first; a client still working then is a straggler, its work discarded."""
+    """On the clock: a reporting deadline; a client still working at it is a straggler, discarded.
+
+    The round closes at the last report or at `seconds`, whichever comes first."""
 
     name: Literal["deadline"] = "deadline"
     seconds: float = Field(120.0, gt=0, description="the reporting deadline, simulated seconds after the round's start")
@@ -137,8 +138,10 @@ class Deadline(Params):
 
 
 class OverSelection(Params):
-    """Bonawitz et al.'s over-selection: select `factor` × the target count (federation.clients_per_round),
-    close the round as soon as the target count has reported (or at the deadline), discard the rest."""
+    """On the clock: Bonawitz et al.'s over-selection; the round closes at the target count's report.
+
+    Selects `factor` × the target count (federation.clients_per_round), closes the round as soon as
+    the target count has reported (or at the deadline) and discards the rest as stragglers."""
 
     name: Literal["over_selection"] = "over_selection"
     factor: float = Field(1.3, ge=1, le=10, description="clients selected per target client (Bonawitz et al.: about 1.3)")

@@ -14,7 +14,10 @@ Which fields a line has:
   `aggregated`, `global_norm` and `model_params`;
 - with a certifying defense (CRFL), on its rounds, `certification`; with `federation.local_dp`, `local_privacy`;
 - with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
-  DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields; under secure aggregation `secure_aggregation` and `secure_aggregation_seconds`.
+  DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields; under secure aggregation `secure_aggregation` and `secure_aggregation_seconds`;
+- on the federation clock (`systems:`, docs/clock.md), on trained rounds: `sim_start`, `sim_seconds`, `sim_time`,
+  `unavailable`, `dropped_out`, `stragglers`, `client_seconds`, and with AdaComm `local_steps`.
+  They are simulated, not measured: reproducible, so not among TIME_FIELDS.
 """
 
 from __future__ import annotations
