@@ -127,6 +127,18 @@ def test_deadline_discards_late_clients_and_dropouts_are_not_failures(tmp_path):
         assert not r["rejected"] and r["sim_seconds"] <= 0.3 + 1e-9
 
 
+def test_a_round_nobody_can_join_lasts_idle_seconds_and_the_window_then_opens(tmp_path):
+    """One time zone, a window from 02:00 to 04:00, the clock starting at midnight: rounds 1 and 2
+    find nobody checked in (skipped, an hour each), round 3 starts at 02:00 and trains."""
+    sc = quick_scenario("federation.rounds=3", systems={
+        "availability": {"diurnal": {"start_hour": 2, "hours": 2, "timezones": 1}}, "idle_seconds": 3600})
+    rounds = [r for r in run_local(sc, tmp_path, nodes=6).rounds if r["round"] > 0]
+    assert [r["unavailable"] for r in rounds] == [6, 6, 0]
+    assert [r["sim_start"] for r in rounds] == [0.0, 3600.0, 7200.0]
+    assert rounds[0]["skipped"] and rounds[1]["skipped"] and not rounds[2]["skipped"]
+    assert rounds[2]["sim_time"] > 7200.0 and rounds[2]["aggregated"]
+
+
 # The same scenario and seed give these simulated times on any machine: bytes are serialized
 # records, samples are counted, FLOPs are counted, and every draw is seeded.
 STORED_SIM_TIMES = [0.442997, 0.685404, 1.033626]

@@ -175,6 +175,8 @@ class SystemsSection(_Part):
     server_seconds: float | Literal["measured"] = Field(
         0.0, description="the server's time per round between the close and the next round: a modelled constant "
         "(seconds, reproducible), or `measured` (this machine's decode and aggregation seconds: not reproducible)")
+    idle_seconds: float = Field(60.0, gt=0, description="how long a round in which no client reported lasts (nobody "
+                                "checked in, or all dropped out): the server waits this long before the next round")
     adacomm: AdaComm | None = Field(None, description="adapt the local period τ on the clock (AdaComm)")
     start_hour: float = Field(0.0, ge=0, lt=24, description="the simulated clock's start, as an hour of day at time zone 0")
     targets: tuple[float, ...] = Field((0.5, 0.8, 0.9), description="main accuracies whose first simulated time "

@@ -70,7 +70,7 @@ class ClockedExchange:
         server = driver.scenario.systems.server_seconds
         if server == "measured":  # this machine's decode and aggregation (not reproducible: said in the docs)
             server = time.perf_counter() - started
-        duration = close if close is not None else 0.0
+        duration = close if close is not None else driver.scenario.systems.idle_seconds  # nobody reported
         record.sim_time = clock.close_round(rnd, duration, server)
         record.sim_seconds = clock.now - record.sim_start
         return result
