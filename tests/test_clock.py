@@ -134,6 +134,7 @@ def test_a_round_nobody_can_join_lasts_idle_seconds_and_the_window_then_opens(tm
         "availability": {"diurnal": {"start_hour": 2, "hours": 2, "timezones": 1}}, "idle_seconds": 3600})
     rounds = [r for r in run_local(sc, tmp_path, nodes=6).rounds if r["round"] > 0]
     assert [r["unavailable"] for r in rounds] == [6, 6, 0]
+    assert [r["unavailable_clients"] for r in rounds] == [list(range(6)), list(range(6)), []]
     assert [r["sim_start"] for r in rounds] == [0.0, 3600.0, 7200.0]
     assert rounds[0]["skipped"] and rounds[1]["skipped"] and not rounds[2]["skipped"]
     assert rounds[2]["sim_time"] > 7200.0 and rounds[2]["aggregated"]

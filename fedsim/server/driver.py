@@ -37,6 +37,9 @@ from fedsim.server.tools import ServerTools
 from fedsim.updates import RoundContext, UpdateBatch
 
 
+LIST_UNAVAILABLE_UP_TO = 1000  # registered clients up to which a round line lists who was not checked in (else counts them)
+
+
 @dataclass
 class RoundPlan:
     """One round as the driver opened it: who trains, in which order, on which shard, told what."""
@@ -204,8 +207,10 @@ class RoundDriver:
             plan.configs[pid] = cfg
         self.pending = RoundRecord(rnd, sampled, strikers)
         if self.clock is not None:
-            self.pending.update({"sim_start": self.clock.start_of(rnd), "dropped_out": gone,
-                                 "unavailable": int(self.scenario.federation.num_clients - self.clock.checked_in(rnd).sum())})
+            away = np.flatnonzero(~self.clock.checked_in(rnd))
+            self.pending.update({"sim_start": self.clock.start_of(rnd), "dropped_out": gone, "unavailable": len(away)})
+            if self.scenario.federation.num_clients <= LIST_UNAVAILABLE_UP_TO:
+                self.pending.unavailable_clients = away.tolist()
             if period is not None:
                 self.pending.local_steps = period
         if groups:

@@ -16,7 +16,7 @@ Which fields a line has:
 - with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
   DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields; under secure aggregation `secure_aggregation` and `secure_aggregation_seconds`;
 - on the federation clock (`systems:`, docs/clock.md), on trained rounds: `sim_start`, `sim_seconds`, `sim_time`,
-  `unavailable`, `dropped_out`, `stragglers`, `client_seconds`, and with AdaComm `local_steps`.
+  `unavailable` (and `unavailable_clients` up to 1,000 registered clients), `dropped_out`, `stragglers`, `client_seconds`, and with AdaComm `local_steps`.
   They are simulated, not measured: reproducible, so not among TIME_FIELDS.
 """
 
@@ -61,6 +61,7 @@ class RoundRecord:
     #   round's (the policy's close plus the server's time)
     sim_time: float | _Unset = UNSET  # with `systems:`: simulated seconds since the run's start when the round closed
     unavailable: int | _Unset = UNSET  # with `systems:`: registered clients not checked in at the round's start
+    unavailable_clients: list[int] | _Unset = UNSET  # with `systems:` and at most 1,000 registered clients: which ones
     dropped_out: list[int] | _Unset = UNSET  # with `systems:`: selected clients that disappeared during the round
     stragglers: list[int] | _Unset = UNSET  # with `systems:`: clients still working when the round closed (discarded,
     #   not a failure: absent from `rejected`, their uploads not counted in bytes_up)
