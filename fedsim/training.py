@@ -264,6 +264,7 @@ def sgd_epochs(
         scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         model.train()
         steps, samples, last_loss, n = 0, 0, float("nan"), len(xt)
+        start_loss = None  # the first batch's loss, at the model training started from
         num_batches = (n + batch_size - 1) // batch_size
         for epoch, lr in enumerate(lrs):
             if max_steps is not None and steps >= max_steps:
@@ -288,6 +289,8 @@ def sgd_epochs(
                     scaler.scale(objective).backward()
                     scaler.step(opt)
                     scaler.update()
+                if start_loss is None:
+                    start_loss = float(loss.detach())
                 steps += 1
                 samples += len(idx)
                 if after_step is not None:
@@ -296,7 +299,10 @@ def sgd_epochs(
             last_loss = losses.mean()
             if after_epoch is not None:
                 after_epoch(epoch, epoch == len(lrs) - 1 or (max_steps is not None and steps >= max_steps), last_loss)
-        return {"loss": last_loss, "steps": steps, "samples": samples}
+        stats = {"loss": last_loss, "steps": steps, "samples": samples}
+        if start_loss is not None:
+            stats["start_loss"] = start_loss
+        return stats
 
 
 @torch.no_grad()

@@ -37,6 +37,17 @@ def test_client_time_is_bytes_over_bandwidth_plus_latency_and_work_over_speed():
     assert t.total == pytest.approx(t.down + t.compute + t.up)
 
 
+def test_jitter_scales_a_client_rounds_times_by_its_seeded_factor():
+    sy = systems(devices=ONE_DEVICE, networks=ONE_NETWORK, jitter=0.5)
+    clock = FederationClock(sy, 1000, [], seed=0)
+    base = FederationClock(systems(devices=ONE_DEVICE, networks=ONE_NETWORK), 1000, [], seed=0)
+    t, t0 = clock.client_time(7, 10_000, 300, 2e4, 5_000, rnd=3), base.client_time(7, 10_000, 300, 2e4, 5_000, rnd=3)
+    factor = clock.slowdown(3)[7]
+    assert (t.down, t.compute, t.up) == pytest.approx((t0.down * factor, t0.compute * factor, t0.up * factor))
+    assert np.std(np.log(clock.slowdown(3))) == pytest.approx(0.5, rel=0.1)
+    assert not np.array_equal(clock.slowdown(3), clock.slowdown(4))  # drawn anew each round
+
+
 def test_training_flops_are_counted_matrix_products_forward_and_backward():
     """Two linear layers a->b->c: forward 2ab + 2bc per sample; backward the weight gradients
     (2ab + 2bc) and the input gradient of the second layer only (2bc): the data needs none."""
@@ -168,17 +179,21 @@ def test_adacomm_period_follows_the_square_root_of_the_loss_ratio():
     assert rule.period(100.0, 0.5, 0.1) == math.ceil(math.sqrt(0.5 / 2.0) * 20) == 10
     assert rule.period(150.0, 0.02, 0.1) == 10  # re-evaluated once per interval only
     assert rule.period(200.0, 0.02, 0.1) == 2
+    assert rule.interval_start == 200.0  # intervals start at multiples of T0
+    assert rule.period(330.0, 0.08, 0.1) == 4 and rule.interval_start == 300.0  # not at 330
     coupled = AdaCommPeriod(AdaComm(tau0=16, interval=10.0, lr_coupled=True))
     coupled.period(0.0, 1.0, 0.1)
-    assert coupled.period(10.0, 1.0, 0.025) == 8  # sqrt(η_l F_l / (η_0 F_0)) = 1/2
+    assert coupled.period(10.0, 0.25, 0.025) == 16  # sqrt(η_0 F_l / (η_l F_0)) = sqrt(4 · 1/4) = 1
 
 
 def test_adacomm_sets_each_rounds_local_steps(tmp_path):
-    sc = quick_scenario("federation.rounds=3", systems={"adacomm": {"tau0": 3, "interval": 1e-9}})
+    sc = quick_scenario("federation.rounds=4", systems={"adacomm": {"tau0": 3, "interval": 1e-9}})
     rounds = [r for r in run_local(sc, tmp_path, nodes=6).rounds if r["round"] > 0]
-    f0 = rounds[0]["train_loss"]  # F_0: the first round's mean reported loss
-    expected = [3, 3] + [math.ceil(math.sqrt(r["train_loss"] / f0) * 3 - 1e-9) for r in rounds[1:-1]]
+    f0 = rounds[0]["start_loss"]  # F(x_0): round 1's clients' loss at the initial model
+    assert f0 == pytest.approx(math.log(10), rel=0.1)  # an untrained 10-class model: about ln 10
+    expected = [3, 3] + [math.ceil(math.sqrt(r["start_loss"] / f0) * 3 - 1e-9) for r in rounds[1:-1]]
     assert [r["local_steps"] for r in rounds] == expected
+    assert rounds[-1]["start_loss"] < f0
     # a client's compute time is proportional to the samples of its τ steps of full batches
     seconds = {int(p): t[1] for p, t in rounds[0]["client_seconds"].items()}
     per_sample = {p: s / (3 * 32) for p, s in seconds.items()}

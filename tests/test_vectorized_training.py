@@ -77,6 +77,9 @@ def check_against_sequential(model, data, cfg, seeds=SEEDS, kinks: int = 0) -> t
     assert errors[-1] <= KINK, errors
     for ours, theirs in zip(stats, ref_stats):
         assert ours["steps"] == theirs["steps"] and ours["samples"] == theirs["samples"]
+        assert ("start_loss" in ours) == ("start_loss" in theirs)  # the first batch's loss, when a step was taken
+        if "start_loss" in ours:
+            assert ours["start_loss"] == pytest.approx(theirs["start_loss"], rel=1e-5, abs=1e-6)
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-6)
     # the model passed in is neither trained nor left in another mode
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())

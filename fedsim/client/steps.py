@@ -207,5 +207,8 @@ def plain_train(call: ClientCall) -> tuple[Message, str]:
     trained.memory.keep(call.context, call.pid, int(config["server-round"]), call.state_dir, codec_state, layout.dim)
     metrics = MetricRecord({"num-examples": int(trained.result.num_examples),
                             "train-loss": float(trained.result.stats["loss"]), "partition-id": call.pid})
+    systems = call.rt.scenario.systems
+    if systems is not None and systems.adacomm is not None and "start_loss" in trained.result.stats:
+        metrics["start-loss"] = float(trained.result.stats["start_loss"])  # AdaComm's F at the round's model
     content = reply_records(call, trained, RecordDict({"update": pack_payload(payload), "metrics": metrics}))
     return Message(content, reply_to=call.msg), describe(call, trained)

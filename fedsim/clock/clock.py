@@ -12,6 +12,9 @@ closes the round from the clients' finish times; the server then takes `systems.
 before the next round starts. Nothing here reads this machine's clock unless `server_seconds:
 measured` asks for it, so the same scenario and seed give the same times anywhere.
 
+With `systems.jitter` each of a client's three times is also multiplied by a factor drawn for that
+client and round, exp(jitter · N(0, 1)): random straggling on top of the fixed device differences.
+
 Availability at a round's start: a client is checked in unless its local hour is outside the
 diurnal window or it drew `offline` this round; a selected client drops out with probability
 `dropout`. Draws are seeded by the round, for all clients at once.
@@ -48,6 +51,7 @@ class FederationClock:
         self.starts: dict[int, float] = {}  # round -> its start (kept: a resumed run re-samples earlier rounds)
         self.adacomm = AdaCommPeriod(systems.adacomm) if systems.adacomm is not None else None
         self._mask: tuple[int, np.ndarray] | None = None  # the last round's checked-in mask
+        self._slowdown: tuple[int, np.ndarray] | None = None  # the last round's jitter factors
 
     # --- who is there ----------------------------------------------------------------------------
     def start_of(self, rnd: int) -> float:
@@ -82,14 +86,25 @@ class FederationClock:
         return [c for c in selected if draws[c] < p and c not in keep_on]
 
     # --- what a client's part costs --------------------------------------------------------------
-    def client_time(self, pid: int, bytes_down: int, samples: int, flops_per_sample: float, bytes_up: int) -> ClientTime:
+    def client_time(self, pid: int, bytes_down: int, samples: int, flops_per_sample: float, bytes_up: int,
+                    rnd: int | None = None) -> ClientTime:
+        """Client `pid`'s download, compute and upload seconds; with `systems.jitter`, each scaled by
+        that client's factor for round `rnd`."""
         prof = self.profiles
         latency = float(prof.latency_s[pid])
+        slow = self.slowdown(rnd)[pid] if rnd is not None and self.systems.jitter > 0 else 1.0
         return ClientTime(
-            down=bytes_down * 8.0 / float(prof.down_bps[pid]) + latency,
-            compute=samples * flops_per_sample / (float(prof.gflops[pid]) * 1e9),
-            up=bytes_up * 8.0 / float(prof.up_bps[pid]) + latency,
+            down=(bytes_down * 8.0 / float(prof.down_bps[pid]) + latency) * slow,
+            compute=samples * flops_per_sample / (float(prof.gflops[pid]) * 1e9) * slow,
+            up=(bytes_up * 8.0 / float(prof.up_bps[pid]) + latency) * slow,
         )
+
+    def slowdown(self, rnd: int) -> np.ndarray:
+        """Every client's factor exp(jitter · N(0, 1)) in round `rnd` (seeded by the round)."""
+        if self._slowdown is None or self._slowdown[0] != rnd:
+            z = numpy_rng(self.seed, CLOCK, 1 + rnd, 2).standard_normal(self.num_clients)
+            self._slowdown = (rnd, np.exp(self.systems.jitter * z))
+        return self._slowdown[1]
 
     def close_round(self, rnd: int, duration: float, server_seconds: float) -> float:
         """The round closed `duration` seconds after its start; the next starts after the server's

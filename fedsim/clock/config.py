@@ -98,13 +98,13 @@ class AttackerProfile(_Part):
 
 class AdaComm(_Part):
     """AdaComm (Wang & Joshi, MLSys 2019): the local period τ (SGD steps between averagings) starts
-    large and shrinks as the training loss falls, τ_l = ⌈sqrt(F_l / F_0) · τ0⌉, re-evaluated once
-    every `interval` seconds of simulated time (fedsim/clock/adacomm.py)."""
+    large and shrinks as the training loss falls, τ_l = ⌈sqrt(F_l / F_0) · τ0⌉, re-evaluated at
+    every multiple of `interval` seconds of simulated time (fedsim/clock/adacomm.py)."""
 
     tau0: int = Field(..., ge=1, le=100_000, description="τ0: the first local period, SGD steps")
     interval: float = Field(..., gt=0, description="T0: simulated seconds between re-evaluations of τ")
     lr_coupled: bool = Field(False, description="the paper's variant with the learning rate folded in: "
-                             "τ_l = ⌈sqrt(η_l F_l / (η_0 F_0)) · τ0⌉")
+                             "τ_l = ⌈sqrt(η_0 F_l / (η_l F_0)) · τ0⌉ (τ grows back as the lr decays)")
 
 
 # --- the round policies: round protocols chosen by `systems.round` --------------------------------
@@ -175,6 +175,9 @@ class SystemsSection(_Part):
     server_seconds: float | Literal["measured"] = Field(
         0.0, description="the server's time per round between the close and the next round: a modelled constant "
         "(seconds, reproducible), or `measured` (this machine's decode and aggregation seconds: not reproducible)")
+    jitter: float = Field(0.0, ge=0, le=5, description="σ of a log-normal factor, drawn per client and round, on "
+                          "each client-round's compute and transfer times: random straggling (AdaComm's runtime model) "
+                          "beside the fixed differences between devices")
     idle_seconds: float = Field(60.0, gt=0, description="how long a round in which no client reported lasts (nobody "
                                 "checked in, or all dropped out): the server waits this long before the next round")
     adacomm: AdaComm | None = Field(None, description="adapt the local period τ on the clock (AdaComm)")

@@ -123,11 +123,12 @@ def train_cohort(
             model.train()
             for lo in range(0, len(order), size):
                 members = order[lo : lo + size]
-                trained, losses = _train_chunk(model, layout, start, [datasets[i] for i in members],
-                                               [seeds[i] for i in members], [steps[i] for i in members], cfg, device)
+                trained, losses, firsts = _train_chunk(model, layout, start, [datasets[i] for i in members],
+                                                       [seeds[i] for i in members], [steps[i] for i in members], cfg, device)
                 rows.index_copy_(0, torch.tensor(members), trained)
-                for i, loss in zip(members, losses):
-                    stats[i] = {"loss": loss, "steps": steps[i], "samples": samples_of(sizes[i], steps[i], cfg.batch_size)}
+                for i, loss, first_loss in zip(members, losses, firsts):
+                    stats[i] = {"loss": loss, "steps": steps[i], "samples": samples_of(sizes[i], steps[i], cfg.batch_size),
+                                "start_loss": first_loss}
     finally:
         for m, mode in zip(model.modules(), modes):
             m.training = mode
@@ -155,8 +156,9 @@ def _client_batches(n: int, seed: int, steps: int, batch_size: int) -> tuple[tor
 def _train_chunk(
     model: nn.Module, layout: ModelLayout, start: torch.Tensor, datasets: list[tuple[np.ndarray, np.ndarray]],
     seeds: list[int], steps: list[int], cfg: TrainConfig, device: torch.device,
-) -> tuple[torch.Tensor, list[float]]:
-    """Clients sorted by `steps`, longest first, trained together; their rows (CPU) and losses."""
+) -> tuple[torch.Tensor, list[float], list[float]]:
+    """Clients sorted by `steps`, longest first, trained together; their rows (CPU), losses and
+    first batches' losses (at the start model)."""
     k, B, T = len(datasets), cfg.batch_size, steps[0]
     sizes = [len(y) for _, y in datasets]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -217,7 +219,7 @@ def _train_chunk(
     rows = torch.cat([(trained[n] if n in trained else state[n].to(device).expand(k, *state[n].shape)).reshape(k, -1)
                       for n in layout.names], dim=1)
     mean_loss = (losses.double() * report).sum(0) / report.sum(0)
-    return rows.cpu(), mean_loss.cpu().tolist()
+    return rows.cpu(), mean_loss.cpu().tolist(), losses[0].cpu().tolist()
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from fedsim.clock.cost import train_flops_per_sample
 from fedsim.server.driver import RoundDriver, RoundPlan
 from fedsim.server.exchange import PlainExchange
 from fedsim.compression.base import PayloadError
-from fedsim.wire import message_bytes, trained_samples
+from fedsim.wire import is_number, message_bytes, trained_samples
 
 
 class ClockedExchange:
@@ -58,13 +58,15 @@ class ClockedExchange:
             samples = trained_samples(reply.content)
             if samples is None:
                 continue  # no work reported: the plain exchange decodes it (and rejects it if it is malformed)
-            t = clock.client_time(pid, record.bytes_down_per_client[pid], samples, flops, up)
+            t = clock.client_time(pid, record.bytes_down_per_client[pid], samples, flops, up, rnd)
             finish[pid], times[pid] = t.total, [t.down, t.compute, t.up]
         target = driver.scenario.federation.clients_per_round
         close = policy.close(list(finish.values()), target)
         late = sorted(p for p, f in finish.items() if close is not None and f > close)
         on_time = [r for r in replies if self.inner.owner(r) not in late]
         record.update({"stragglers": late, "client_seconds": {p: [round(s, 6) for s in times[p]] for p in sorted(times)}})
+        if clock.adacomm is not None:
+            record.start_loss = start_loss(on_time)
         excused = frozenset(late) | frozenset(record.dropped_out)
         result = self.inner.aggregate(on_time, excused=excused)
         server = driver.scenario.systems.server_seconds
@@ -74,3 +76,17 @@ class ClockedExchange:
         record.sim_time = clock.close_round(rnd, duration, server)
         record.sim_seconds = clock.now - record.sim_start
         return result
+
+
+def start_loss(replies: list[Message]) -> float | None:
+    """The mean loss the replying clients report at the round's global model (each one's first
+    batch, before its first step): AdaComm's estimate of the training loss F there. A value that
+    is not a finite non-negative number (untrusted input) is left out."""
+    values = []
+    for reply in replies:
+        if reply.has_error() or "metrics" not in reply.content.metric_records:
+            continue
+        value = reply.content["metrics"].get("start-loss")
+        if is_number(value) and 0 <= value < 1e6:
+            values.append(float(value))
+    return sum(values) / len(values) if values else None

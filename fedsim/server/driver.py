@@ -32,7 +32,7 @@ from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.server.evaluation import CentralEvaluator
 from fedsim.server.optimizer import ServerOptimizer
 from fedsim.server.pipeline import RoundPipeline
-from fedsim.server.record import RoundRecord
+from fedsim.server.record import UNSET, RoundRecord
 from fedsim.server.tools import ServerTools
 from fedsim.updates import RoundContext, UpdateBatch
 
@@ -110,7 +110,7 @@ class RoundDriver:
         local_dp = self.scenario.federation.local_dp  # each client's own ε under local DP, counted here
         self.local_privacy = LocalPrivacyLedger(local_dp, self.scenario.federation.num_clients) if local_dp else None
         self._counted_round = 0  # the ledger holds rounds 1.._counted_round
-        self.last_train_loss: float | None = None  # the last aggregated round's mean reported loss (AdaComm's F)
+        self.last_start_loss: float | None = None  # the last round's mean loss at its global model (AdaComm's F)
         systems = self.scenario.systems  # the federation clock (fedsim/clock/): devices, networks, availability
         self.clock = FederationClock(systems, self.scenario.federation.num_clients, runtime.attackers,
                                      self.scenario.seed) if systems is not None else None
@@ -195,7 +195,7 @@ class RoundDriver:
         if client_strikers:  # what Attack of the Tails' replacement attacker is assumed to know
             total_examples = sum(self.rt.client_size(p, attacking=p in strikers) for p in sampled)
         shape = self.model.config()
-        period = self.clock.local_period(rnd, self.last_train_loss, self.rt.lr(rnd)) if self.clock is not None else None
+        period = self.clock.local_period(rnd, self.last_start_loss, self.rt.lr(rnd)) if self.clock is not None else None
         if period is not None:  # AdaComm: this round's local steps
             shape = {**shape, "local-steps": period}
         for pid in plan.order:
@@ -276,8 +276,8 @@ class RoundDriver:
             record.lowrank = switch
             self.pipeline.previous_aggregate = None
         record.model_params = self.layout.dim
-        if record.train_loss is not None:
-            self.last_train_loss = record.train_loss
+        if record.start_loss is not UNSET and record.start_loss is not None:
+            self.last_start_loss = record.start_loss
         return True
 
     # --- what survives a restart -----------------------------------------------------------------
@@ -288,7 +288,7 @@ class RoundDriver:
         if self.pipeline is not None:
             extra["pipeline"] = self.pipeline.history()
         if self.clock is not None:
-            extra["clock"] = {**self.clock.state_dict(), "last_train_loss": self.last_train_loss}
+            extra["clock"] = {**self.clock.state_dict(), "last_start_loss": self.last_start_loss}
         if self.evaluator.shared is not None:  # the trigger the backdoor is measured with
             extra["backdoor_report"] = {k: torch.from_numpy(np.array(v)) for k, v in self.evaluator.shared.items()}
         defenses = self.pipeline.state_dict() if self.pipeline is not None else {}
@@ -306,7 +306,7 @@ class RoundDriver:
         self.global_vec = state["global"].clone()
         if self.clock is not None and "clock" in extra:
             self.clock.load_state_dict(extra["clock"])
-            self.last_train_loss = extra["clock"].get("last_train_loss")
+            self.last_start_loss = extra["clock"].get("last_start_loss")
         shared = extra.get("backdoor_report")
         if shared:
             self.evaluator.use_shared({k: v.numpy() for k, v in shared.items()})

@@ -16,7 +16,7 @@ Which fields a line has:
 - with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
   DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields; under secure aggregation `secure_aggregation` and `secure_aggregation_seconds`;
 - on the federation clock (`systems:`, docs/clock.md), on trained rounds: `sim_start`, `sim_seconds`, `sim_time`,
-  `unavailable` (and `unavailable_clients` up to 1,000 registered clients), `dropped_out`, `stragglers`, `client_seconds`, and with AdaComm `local_steps`.
+  `unavailable` (and `unavailable_clients` up to 1,000 registered clients), `dropped_out`, `stragglers`, `client_seconds`, and with AdaComm `local_steps` and `start_loss`.
   They are simulated, not measured: reproducible, so not among TIME_FIELDS.
 """
 
@@ -67,6 +67,8 @@ class RoundRecord:
     #   not a failure: absent from `rejected`, their uploads not counted in bytes_up)
     client_seconds: dict | _Unset = UNSET  # with `systems:`: client -> [download, compute, upload] simulated seconds
     local_steps: int | _Unset = UNSET  # with systems.adacomm: this round's local period τ
+    start_loss: float | None | _Unset = UNSET  # with systems.adacomm: the clients' mean loss at the round's global model
+    #   (each one's first batch): AdaComm's F
     aggregator: dict | _Unset = UNSET  # what a choosing rule reported (selected / voters / outvoted), by client id
     aggregated: list[int] | _Unset = UNSET  # clients whose updates reached the rule after the defenses
     detection: dict | _Unset = UNSET  # what the defenses and rule did to the attackers: flagged, tp/fp/fn/tn, tpr, fpr,
