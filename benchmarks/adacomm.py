@@ -4,7 +4,8 @@ The claim: "AdaComm can take 3 times less time than fully synchronous SGD, and s
 final training loss", and the paper compares it with fixed communication periods too. Here every
 run is local-update SGD on scenarios/systems/adacomm.yaml (8 clients, all in every round, IID
 MNIST, plain SGD at a fixed lr), timed on the simulated clock, each run stopped at the first round
-that closes after `--horizon` simulated seconds:
+that closes after `--horizon` simulated seconds; `--jitter σ` sets systems.jitter for every run
+(each client-round's times multiplied by exp(σ·N(0,1)): random straggling):
 
 1. fixed τ for each of `--taus` (federation.local_steps = τ; τ = 1 is fully synchronous SGD);
 2. AdaComm (systems.adacomm) with T0 = `--interval` simulated seconds and, as the paper picks it,
@@ -15,20 +16,25 @@ For each seed it prints, from the runs' rounds.jsonl: the global model's test lo
 the horizon, the first simulated time each run's global model reached each target test loss
 (`--targets`; and fully synchronous SGD's loss at the horizon, the paper's "same final loss"), the
 best fixed τ for each target, and AdaComm's time over the best fixed τ's and τ = 1's over
-AdaComm's. Then AdaComm's τ at each re-evaluation and the losses its rule divided. Only measured
-numbers are printed; a target a run did not reach within the horizon is "-".
+AdaComm's. Then AdaComm's F_0 (round 1's `start_loss`: the clients' mean first-batch loss at the
+initial model) beside the initial model's test loss, and each re-evaluation of τ replayed from
+rounds.jsonl: the round's start, the F_l it divided (the previous round's `start_loss`), F_l / F_0
+and the τ it gave, checked against the `local_steps` the rounds recorded. Only measured numbers
+are printed; a target a run did not reach within the horizon is "-".
 
 All runs share one Ray engine (fedsim/engine/shared.py), `--jobs` in flight; a run whose folder
-already reached the horizon is read, not run again. Simulated times do not depend on this
-machine's speed; the wall time does (the defaults: 861 s here, on two cores that other jobs shared).
+already reached the horizon is read, not run again (an AdaComm run without `start_loss` in its
+rounds, recorded before fedsim measured F at the global model, is run again). Simulated times do
+not depend on this machine's speed; the wall time does (docs/adacomm.md gives it).
 
-Run: `FEDSIM_DATA_DIR=... .venv/bin/python benchmarks/adacomm.py [--seeds 0,1] [--out results/adacomm]`
+Run: `FEDSIM_DATA_DIR=... .venv/bin/python benchmarks/adacomm.py [--seeds 0,1] [--jitter 0.5] [--out results/adacomm]`
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import threading
 import time
@@ -65,6 +71,34 @@ def evaluated(rounds: list[dict], horizon: float) -> list[tuple[float, float, fl
     return out
 
 
+def stale(raw: dict, rounds: list[dict]) -> bool:
+    """An AdaComm run recorded before its rounds carried `start_loss` (F at the global model)."""
+    return bool(raw.get("systems", {}).get("adacomm")) and not any("start_loss" in r for r in rounds)
+
+
+def replay_adacomm(rounds: list[dict], tau0: int, interval: float) -> tuple[float | None, list[tuple], list[int]]:
+    """AdaComm's rule (fedsim/clock/adacomm.py, lr not coupled) replayed from the recorded
+    `start_loss` of each round: F_0 (round 1's), the re-evaluations as (round, its start, F_l,
+    F_l / F_0, τ), and the rounds whose recorded `local_steps` differ from the replayed τ."""
+    f0, tau, start, last, evals, mismatched = None, tau0, 0.0, None, [], []
+    for r in rounds:
+        if r.get("local_steps") is None:
+            continue
+        now = float(r["sim_start"])
+        if f0 is None and last is not None:
+            f0 = last
+        if f0 and last is not None and now - start >= interval:
+            ratio = last / f0
+            tau = max(1, math.ceil(math.sqrt(max(ratio, 0.0)) * tau0 - 1e-9))
+            evals.append((r["round"], now, last, ratio, tau))
+            elapsed = now - start
+            start += elapsed - math.fmod(elapsed, interval)
+        if r["local_steps"] != tau:
+            mismatched.append(r["round"])
+        last = r.get("start_loss")
+    return f0, evals, mismatched
+
+
 def first_time(curve, loss: float) -> float | None:
     return next((t for t, l, _ in curve if l <= loss), None)
 
@@ -91,7 +125,8 @@ class Runs:
         for name, raw in named:
             asked = json.dumps(raw, sort_keys=True)
             made = self.out / name / "benchmark-scenario.json"  # what the folder's run was asked to be
-            if reached_horizon(read_rounds(self.out / name), self.horizon) and made.exists() and made.read_text() == asked:
+            rounds = read_rounds(self.out / name)
+            if reached_horizon(rounds, self.horizon) and made.exists() and made.read_text() == asked and not stale(raw, rounds):
                 print(f"  {name}: already at the horizon, read")
                 continue
             if (self.out / name).exists():  # a run cut short: start it again (no checkpoints)
@@ -195,6 +230,8 @@ def main() -> int:
     parser.add_argument("--horizon", type=float, default=600.0, help="simulated seconds each run trains for")
     parser.add_argument("--interval", type=float, default=60.0, help="AdaComm's T0, simulated seconds")
     parser.add_argument("--tau0", type=int, default=None, help="AdaComm's τ0 (default: the best fixed τ at T0, per seed)")
+    parser.add_argument("--jitter", type=float, default=None,
+                        help="systems.jitter σ for every run (random straggling; default: the scenario's, 0)")
     parser.add_argument("--targets", default="0.5,0.3,0.2,0.15,0.12,0.1", help="test losses of the global model")
     parser.add_argument("--jobs", type=int, default=2, help="runs in flight on the shared engine")
     parser.add_argument("--out", default="results/adacomm", help="folder of the runs (reused: finished runs are read)")
@@ -208,12 +245,17 @@ def main() -> int:
     seeds = [int(x) for x in args.seeds.split(",")]
     targets = [float(x) for x in args.targets.split(",")]
     base = apply_overrides(read_yaml(args.scenario), args.set)
+    if args.jitter is not None:
+        base["systems"] = {k: v for k, v in base["systems"].items() if k != "jitter"}
+        if args.jitter > 0:  # jitter 0 leaves the scenario as it was: its runs are the same folders
+            base["systems"]["jitter"] = args.jitter
+    jitter = float(base["systems"].get("jitter", 0.0) or 0.0)
     out = Path(args.out)
-    tag = f"h{args.horizon:g}"
+    tag = f"h{args.horizon:g}" + (f"-j{jitter:g}" if jitter else "")
     runs = Runs(out, args.horizon, args.jobs, args.verbose)
     wall = time.perf_counter()
     try:
-        print(f"fixed τ in {taus}, seeds {seeds}, {args.horizon:g} simulated s each", flush=True)
+        print(f"fixed τ in {taus}, seeds {seeds}, {args.horizon:g} simulated s each, jitter {jitter:g}", flush=True)
         runs.run([(f"fixed-tau{tau}-seed{seed}-{tag}", fixed_case(base, tau, seed)) for seed in seeds for tau in taus])
         curves = {(tau, seed): evaluated(read_rounds(out / f"fixed-tau{tau}-seed{seed}-{tag}"), args.horizon)
                   for seed in seeds for tau in taus}
@@ -259,19 +301,24 @@ def main() -> int:
         for x, b in zip(levels, best):
             ratios.setdefault(x if x in targets else "sync", []).append(
                 (first_time(ada, x) / b[1]) if b is not None and first_time(ada, x) is not None else None)
-        print(f"\nseed {seed}: test loss of the global model against simulated seconds (H = {args.horizon:g} s; "
-              f"the last column is τ=1's loss at H)")
+        print(f"\nseed {seed}, jitter {jitter:g}: test loss of the global model against simulated seconds "
+              f"(H = {args.horizon:g} s; the last column is τ=1's loss at H)")
         print(table(rows, head))
         changes, last = [], None
         for r in ada_rounds:
             if r.get("local_steps") is not None and r["local_steps"] != last:
                 last = r["local_steps"]
                 changes.append(f"{r['sim_start']:.0f}s:{last}")
-        first = next((r for r in ada_rounds if r.get("train_loss") is not None), None)
         print(f"AdaComm τ from round starts (time:τ): {' '.join(changes)}")
-        if first is not None:
-            print(f"AdaComm's F0 (first round's mean reported training loss) {first['train_loss']:.4f}; "
+        f0, evals, mismatched = replay_adacomm(ada_rounds, tau0s[seed], args.interval)
+        if f0 is not None:
+            print(f"AdaComm's F_0 (round 1's start_loss: mean first-batch loss at the initial model) {f0:.4f}; "
                   f"the initial model's test loss {ada_rounds[0]['main_loss']:.4f}")
+        print("AdaComm's re-evaluations (round start: F_l = the previous round's start_loss, F_l/F_0 -> τ): " +
+              "; ".join(f"{t:.0f}s: {f:.4f}, {q:.4f} -> {tau}" for _, t, f, q, tau in evals))
+        n = sum(1 for r in ada_rounds if r.get("local_steps") is not None)
+        print(f"replayed τ equals the recorded local_steps in {n - len(mismatched)} of {n} rounds"
+              + (f" (differs in rounds {mismatched[:10]})" if mismatched else ""))
     print(f"\nAdaComm's time over the best fixed τ's, per seed: " +
           ", ".join(f"loss<={k if k == 'sync' else format(k, 'g')}: " + " ".join("-" if v is None else f"{v:.2f}" for v in vs)
                     for k, vs in ratios.items()))
