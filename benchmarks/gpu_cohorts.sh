@@ -8,8 +8,13 @@
 #      fedsim with federation.vectorize off and on.
 # What the machine lacks travels with the call: fedsim's Python dependencies as wheels in .whl/ (for
 # the device's Python; see .library's device notes, e.g. flwr, ray, pydantic, rich, scipy, ...), and the
-# datasets in shared/data (fashion_mnist.npz or mnist.npz). Outputs go to $OUT (default ./gpu-out).
+# datasets in shared/data (fashion_mnist.npz or mnist.npz; peers.py's shape takes the first 50,000
+# training images: an np.savez_compressed MNIST of 50,000 training and 2,000 test images is 8.5 MB).
+# Outputs go to $OUT (default ./gpu-out). Run from a copy without .git (a snapshot of a commit, e.g.
+# `git archive`), it reads the commit from a file COMMIT in the repository root ("commit <hash> <subject>").
 #   OUT=/somewhere benchmarks/gpu_cohorts.sh
+# On one H100 (2026-11-27, docs/gpu.md) step 1 took 42 s and step 2 about 205 s; step 3 reached its
+# former 200 s limit after VGG-9's two runs, and ResNet-18's run alone took under two minutes.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -25,10 +30,12 @@ fi
 PY=${PY:-python3}
 { date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1;
   $PY -c "import torch, flwr, ray; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'flwr', flwr.__version__, 'ray', ray.__version__)";
-  git log -1 --format='commit %h %s' 2>/dev/null; } | tee "$OUT/machine.txt"
+  if [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$PWD" ]; then git log -1 --format='commit %h %s'
+  elif [ -f COMMIT ]; then cat COMMIT; else echo "commit unknown (no git checkout here, no COMMIT file)"; fi; } \
+  | tee "$OUT/machine.txt"
 
 echo "== 1. equality tests on CUDA"
-timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_vectorized_training.py tests/test_cohorts.py 2>&1 \
+timeout 90 $PY -m pytest -q -p no:cacheprovider tests/test_vectorized_training.py tests/test_cohorts.py 2>&1 \
   | tail -25 | tee "$OUT/tests.txt"
 
 echo "== 2. pfl-research's benchmark shape on the GPU"
@@ -36,5 +43,5 @@ timeout 240 $PY benchmarks/peers.py --device cuda --only lenet --rounds 20 --sid
   | tee "$OUT/peers.txt"
 
 echo "== 3. VGG-9 and ResNet-18 rounds against the plain GPU loop"
-timeout 200 $PY benchmarks/gpu.py --quick --skip-aggregation --repeats 2 --models vgg9 resnet18 --vectorize off on \
+timeout 260 $PY benchmarks/gpu.py --quick --skip-aggregation --repeats 2 --models vgg9 resnet18 --vectorize off on \
   --shares 0.25 2>&1 | tee "$OUT/gpu.txt"
