@@ -208,7 +208,7 @@ def test_fp32_on_cpu_is_the_training_of_before_bit_for_bit(cfg):
     for explicit in (cfg, TrainConfig(**{**cfg.__dict__, "device": "cpu", "precision": "fp32"})):
         model = mlp()
         stats = train(model, x, y, explicit, seed=5)
-        assert stats == ref  # the loss too, to the last bit
+        assert {k: stats[k] for k in ref} == ref  # the loss too, to the last bit (the clock's counts beside)
         assert torch.equal(weights(model), weights(ref_model))
         assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
 

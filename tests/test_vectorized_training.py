@@ -251,7 +251,12 @@ def test_chunk_size_on_cpu_keeps_activations_in_cache():
 # ---------------------------------------------------------------- CUDA
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name, params, kinks", [("mlp", {"hidden": [32]}, 0), ("lenet", {"dropout": False}, 1)])
-def test_rows_on_cuda_are_the_sequential_update_on_cuda(name, params, kinks):
+def test_rows_on_cuda_are_the_sequential_update_on_cuda(name, params, kinks, monkeypatch):
+    """In fp32: cuDNN's default TF32 convolutions round the two paths' different kernels (grouped
+    vs plain) differently, ~1e-3 of the update on LeNet (measured on an H100, docs/gpu.md), which
+    says nothing about the algorithm; the comparison turns TF32 off."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = build(name, **params)
     cfg = dataclasses.replace(CFG, device="cuda", proximal_mu=0.01)
     check_against_sequential(model, datasets((7, 23, 30, 41, 50)), cfg, kinks=kinks)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -22,7 +23,7 @@ log = logging.getLogger("fedsim")
 def train_flops_per_sample(model: torch.nn.Module, x, batch: int = 2) -> float:
     """FLOPs of one sample's forward and backward pass through `model`, on `batch` of the inputs `x`
     (the loss's own work is element-wise: a sum stands in for it, the backward pass is the same)."""
-    xb = torch.as_tensor(x[:batch])
+    xb = torch.from_numpy(np.array(x[:batch]))  # a copy: the cached arrays are read-only memory maps
     was_training = model.training
     model.train()
     counter = FlopCounterMode(display=False)
