@@ -67,7 +67,7 @@ def secure_aggregation_data_problems(rt) -> list[tuple[str, str, object]]:
     if sa is None or sa.max_weight is None:
         return []
     try:
-        largest = max(len(p) for p in rt.partitions)
+        largest = int(rt.partitions.sizes.max())
     except (ValueError, RuntimeError):
         return []  # reported as data.partition
     if largest > sa.max_weight:

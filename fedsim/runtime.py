@@ -22,6 +22,7 @@ import torch
 
 from fedsim.data.base import ArrayDataset, resolve_data_dir
 from fedsim.data.local import cache_parts, dataset_facts, load_local, require_facts
+from fedsim.data.partition import Partitions
 from fedsim.diskcache import cache_dir, cached_arrays, folder_fingerprint, key_of
 from fedsim.models.layout import ModelLayout
 from fedsim.lowrank.layers import build_factorized
@@ -94,7 +95,9 @@ class Runtime:
         return self.cached(("local-data", str(path)), build)
 
     @functools.cached_property
-    def partitions(self) -> list[np.ndarray]:
+    def partitions(self) -> Partitions:
+        """Every client's row indices (fedsim/data/partition.py: `Partitions`, one array and a size
+        per client, cached on disk: a million clients cost two arrays in each process)."""
         spec = self.scenario.data.partition
         entry = PARTITIONERS.get(spec.name)
         labels, n, seed = self.data.y_train, self.scenario.federation.num_clients, self.scenario.seed
@@ -102,15 +105,17 @@ class Runtime:
         extra = {"groups": self.data.groups} if entry.traits.needs_groups else {}
 
         def compute() -> dict[str, np.ndarray]:
-            parts = entry.obj(labels, n, seed, spec, **extra)
-            return {"indices": np.concatenate(parts), "sizes": np.array([len(p) for p in parts])}
+            parts = Partitions.of(entry.obj(labels, n, seed, spec, **extra))
+            if len(parts) != n:
+                raise RuntimeError(f"partitioner {spec.name!r} gave {len(parts)} partitions for {n} clients")
+            return {"indices": parts.indices, "sizes": parts.sizes}
 
         content = hashlib.sha256(labels.tobytes())
         if extra and self.data.groups is not None:
             content.update(np.ascontiguousarray(self.data.groups).tobytes())
         key = key_of(content.hexdigest(), spec.model_dump(mode="json"), n, seed, versions())
         a = cached_arrays("partition", key, compute)
-        return np.split(a["indices"], np.cumsum(a["sizes"])[:-1])
+        return Partitions(a["indices"], a["sizes"])
 
     def client_data(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
         """An honest client's training data: its partition, plus whatever the scenario gives honest

@@ -21,7 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from fedsim.data.partition import IidParams, MISSING_FLWR_DATASETS
+from fedsim.data.partition import MISSING_FLWR_DATASETS, ShardParams
 from fedsim.registry import PARTITIONERS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,8 +33,10 @@ FORBIDDEN = ("ray", "matplotlib", "pandas", "pyarrow", "sklearn", "scipy", "data
 # torch imports these when they are installed (torch.utils.data: dill; torch.hub: tqdm; torch.backends:
 # opt_einsum, its optional extra) and runs without them.
 OPTIONAL = {"dill", "tqdm", "opt_einsum"}
+# shard: a partitioner that still needs flwr-datasets (iid, dirichlet and natural are numpy only), so a
+# device that recomputed the partition instead of reading the cache would import it
 RUN_CONFIG = {"scenario": str(REPO / "scenarios" / "quickstart.yaml"),
-              "overrides": "attack=null;data.partition={name: iid}"}
+              "overrides": "attack=null;data.partition={name: shard}"}
 
 PREPARE = """
 import json, sys
@@ -128,7 +130,7 @@ def test_a_central_partition_without_flwr_datasets_says_what_to_install(monkeypa
     monkeypatch.setitem(sys.modules, "flwr_datasets", None)  # import fails as if not installed
     labels = np.repeat(np.arange(4), 5)
     with pytest.raises(ModuleNotFoundError, match="central partitions need flwr-datasets") as err:
-        PARTITIONERS.get("iid").obj(labels, 2, 0, IidParams())
+        PARTITIONERS.get("shard").obj(labels, 2, 0, ShardParams())
     assert MISSING_FLWR_DATASETS in str(err.value) and err.value.name == "flwr_datasets"
 
 

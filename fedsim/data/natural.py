@@ -7,8 +7,10 @@ contiguous blocks whose sizes differ by at most one owner (the first `owners % c
 have one more), so a client holds every example of its owners and no owner is split. More
 clients than owners is an error: some clients would have no data.
 
-The split itself is flwr-datasets' NaturalIdPartitioner over a column holding each example's
-client, so a client's rows are exactly what `load_partition(client)` gives.
+A client's rows are exactly what flwr-datasets' NaturalIdPartitioner over a column holding each
+example's client gives for `load_partition(client)` (its rows in ascending order; client ids are
+0..num_clients-1, its sorted natural ids), computed with one stable sort of that column instead of
+its Python loop over the rows (tests/test_partition_indices.py compares the two).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Iterable
 import numpy as np
 from pydantic import Field
 
-from fedsim.data.partition import _indices, flwr_partitioner
+from fedsim.data.partition import Partitions
 from fedsim.registry import PARTITIONERS, Params
 
 
@@ -40,7 +42,8 @@ def client_of_owner(num_owners: int, num_clients: int, seed: int, shuffle: bool 
     a seeded permutation of the owners (of the id order without `shuffle`)."""
     order = np.random.default_rng(seed).permutation(num_owners) if shuffle else np.arange(num_owners)
     div, mod = divmod(num_owners, num_clients)
-    sizes = [div + (i < mod) for i in range(num_clients)]
+    sizes = np.full(num_clients, div, dtype=np.int64)
+    sizes[:mod] += 1
     out = np.empty(num_owners, dtype=np.int64)
     out[order] = np.repeat(np.arange(num_clients), sizes)
     return out
@@ -49,7 +52,7 @@ def client_of_owner(num_owners: int, num_clients: int, seed: int, shuffle: bool 
 @PARTITIONERS.register("natural", NaturalParams, needs_groups=True)
 def natural(
     labels: np.ndarray, num_partitions: int, seed: int, params: NaturalParams, groups: np.ndarray | None = None
-) -> list[np.ndarray]:
+) -> Partitions:
     """One client per writer, role or author of the data, or whole ones grouped when fewer (NaturalIdPartitioner)."""
     if groups is None:
         raise ValueError(
@@ -65,11 +68,5 @@ def natural(
             f"partition 'natural': {len(owners)} owners (writers) cannot fill {num_partitions} clients; "
             f"set federation.num_clients to at most {len(owners)}"
         )
-    NaturalIdPartitioner = flwr_partitioner("NaturalIdPartitioner")
-    import datasets  # flwr_partitioner has checked that it is installed
-
     client = client_of_owner(len(owners), num_partitions, seed, params.shuffle_owners)[rank.reshape(-1)]
-    # arrow format: `ds[column]` is then a pyarrow array, which numpy converts at once; datasets 4's
-    # default Column is converted row by row (65 s instead of 1 s for 700,000 FEMNIST-sized rows)
-    ds = datasets.Dataset.from_dict({"client": client, "idx": np.arange(len(labels))}).with_format("arrow")
-    return _indices(NaturalIdPartitioner(partition_by="client"), ds, num_partitions)
+    return Partitions.from_owners(client, num_partitions)

@@ -1,22 +1,89 @@
-"""Client partitions, computed with flwr-datasets' partitioners on the training labels.
+"""Client partitions of the training rows, as one index array and a size per client.
 
-The partitioners run offline on an in-memory `datasets.Dataset` holding only the labels and the
-row index, so a partition is a list of row indices into the training arrays. The same seed gives
-the same split on the server and on every client.
+`Partitions` holds every client's sorted row indices in one array with per-client offsets
+(compressed sparse rows): a million clients cost two arrays, not a million numpy objects, and a
+client's rows are a view taken when it is sampled. The same seed gives the same split on the
+server and on every client.
 
-flwr-datasets (with `datasets`, pyarrow and pandas under it) is imported only when a partition is
-computed: a device install leaves it out (deploy/device-requirements.txt) and trains on a
-partition cached by fedsim/diskcache.py, or on its own data.
+`iid` and `dirichlet` are flwr-datasets' IidPartitioner and DirichletPartitioner computed with
+numpy over the whole population at once, draw for draw: the same generator, the same draws in the
+same order, the same cut points, so the clients get exactly the rows flwr-datasets gives them
+(tests/test_partition_indices.py compares them partition by partition). flwr-datasets builds its
+assignment with Python loops over the partitions (12 s for 10,000 Dirichlet clients, 4 s more to
+read it back) and refuses more partitions than rows; here 1,000,000 clients take well under a second.
+
+A Dirichlet split of n rows over N clients with N > n (a million clients over MNIST's 60,000)
+gives most clients no row at all: each class's rows are cut at the cumulative Dirichlet shares,
+and a client whose share of every class rounds to nothing holds nothing. That is allowed with
+`min_partition_size: 0`: a client without data takes no step and uploads a zero update of weight
+0 (fedsim/client/steps.py). A `min_partition_size` that N clients cannot all have
+(N x min_partition_size > n) is refused at once, naming the numbers, instead of resampling.
+
+`shard` and `natural` (fedsim/data/natural.py) use flwr-datasets' partitioners; flwr-datasets (with
+`datasets`, pyarrow and pandas under it) is imported only when one of those is computed: a device
+install leaves it out (deploy/device-requirements.txt) and trains on a partition cached by
+fedsim/diskcache.py, or on its own data.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from pydantic import Field
 
 from fedsim.registry import PARTITIONERS, Params
+
+
+class Partitions(Sequence):
+    """Client i's sorted row indices are `indices[offsets[i]:offsets[i + 1]]` (a read-only view).
+
+    A sequence of index arrays: `parts[i]`, `len(parts)`, iteration, as the list it replaces."""
+
+    def __init__(self, indices: np.ndarray, sizes: np.ndarray) -> None:
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.offsets = np.zeros(len(self.sizes) + 1, dtype=np.int64)
+        np.cumsum(self.sizes, out=self.offsets[1:])
+        if self.offsets[-1] != len(self.indices):
+            raise ValueError(f"partition sizes add up to {self.offsets[-1]}, not the {len(self.indices)} indices given")
+
+    @classmethod
+    def of(cls, parts) -> "Partitions":
+        """`parts` as Partitions (a list of index arrays is concatenated once)."""
+        if isinstance(parts, Partitions):
+            return parts
+        parts = [np.asarray(p, dtype=np.int64) for p in parts]
+        indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return cls(indices, np.array([len(p) for p in parts], dtype=np.int64))
+
+    @classmethod
+    def from_owners(cls, owner: np.ndarray, num_partitions: int) -> "Partitions":
+        """Row r goes to client `owner[r]` (every owner in 0..num_partitions-1); each client's rows ascending."""
+        owner = np.asarray(owner, dtype=np.int64)
+        if owner.size and (owner.min() < 0 or owner.max() >= num_partitions):
+            raise ValueError(f"owners must lie in 0..{num_partitions - 1}")
+        return cls(np.argsort(owner, kind="stable"), np.bincount(owner, minlength=num_partitions))
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"partition {i} of {len(self)}")
+        view = self.indices[self.offsets[i]:self.offsets[i + 1]]
+        view.flags.writeable = False
+        return view
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
 
 
 class IidParams(Params):
@@ -93,28 +160,53 @@ def _indices_one_by_one(partitioner, ids) -> list[np.ndarray]:
 
 
 @PARTITIONERS.register("iid", IidParams)
-def iid(labels: np.ndarray, num_partitions: int, seed: int, params: IidParams) -> list[np.ndarray]:
+def iid(labels: np.ndarray, num_partitions: int, seed: int, params: IidParams) -> Partitions:
     """Uniform random split into equal parts (flwr-datasets IidPartitioner over a seeded shuffle)."""
-    IidPartitioner = flwr_partitioner("IidPartitioner")
-
-    return _indices(IidPartitioner(num_partitions), _label_dataset(labels, seed), num_partitions)
+    # `datasets.Dataset.shuffle(seed)` permutes the rows with default_rng(seed).permutation; the
+    # IID partitioner cuts the shuffled rows into contiguous blocks (`Dataset.shard(contiguous=True)`)
+    perm = np.random.default_rng(seed).permutation(len(labels))
+    div, mod = divmod(len(labels), num_partitions)
+    sizes = np.full(num_partitions, div, dtype=np.int64)
+    sizes[:mod] += 1
+    owner = np.empty(len(labels), dtype=np.int64)
+    owner[perm] = np.repeat(np.arange(num_partitions), sizes)
+    return Partitions.from_owners(owner, num_partitions)
 
 
 @PARTITIONERS.register("dirichlet", DirichletParams)
-def dirichlet(labels: np.ndarray, num_partitions: int, seed: int, params: DirichletParams) -> list[np.ndarray]:
+def dirichlet(labels: np.ndarray, num_partitions: int, seed: int, params: DirichletParams) -> Partitions:
     """Label skew: class shares per client drawn from Dirichlet(alpha) (flwr-datasets DirichletPartitioner)."""
-    DirichletPartitioner = flwr_partitioner("DirichletPartitioner")
-
-    part = DirichletPartitioner(
-        num_partitions,
-        partition_by="label",
-        alpha=params.alpha,
-        min_partition_size=params.min_partition_size,
-        self_balancing=params.self_balancing,
-        shuffle=True,
-        seed=seed,
-    )
-    return _indices(part, _label_dataset(labels), num_partitions)
+    labels = np.asarray(labels)
+    n, minimum = len(labels), params.min_partition_size
+    if num_partitions * minimum > n:
+        raise ValueError(
+            f"min_partition_size={minimum} for each of {num_partitions:,} clients needs {num_partitions * minimum:,} "
+            f"examples, the training set has {n:,}; set data.partition.min_partition_size to at most "
+            f"{n // num_partitions} (0 lets clients hold no example)")
+    rng = np.random.default_rng(seed=seed)  # DirichletPartitioner's generator
+    alpha = np.full(num_partitions, float(params.alpha))
+    average = n / num_partitions  # self-balancing's bar
+    rows_of = [np.flatnonzero(labels == k) for k in np.unique(labels)]  # classes in sorted order
+    for attempt in range(11):  # DirichletPartitioner samples at most 11 times, then gives up
+        owner = np.empty(n, dtype=np.int64)
+        counts = np.zeros(num_partitions, dtype=np.int64)
+        for rows in rows_of:
+            shares = rng.dirichlet(alpha)
+            if params.self_balancing:  # no more of this class for a client already above the average
+                shares = np.where(counts > average, 0.0, shares)
+                shares = shares / np.cumsum(shares)[-1]  # the sum added left to right, as Python's sum
+            cuts = (np.cumsum(shares) * len(rows)).astype(int)[:-1]  # np.split's cut points
+            # position j of the class's rows falls in piece i when cuts[i-1] <= j < cuts[i]
+            piece = np.searchsorted(cuts, np.arange(len(rows)), side="right")
+            owner[rows] = piece
+            counts += np.bincount(piece, minlength=num_partitions)
+        if counts.min() >= minimum:
+            break
+    else:
+        raise ValueError(f"no Dirichlet(alpha={params.alpha}) draw in 11 gave every client min_partition_size="
+                         f"{minimum} examples; lower it or raise alpha")
+    # DirichletPartitioner then shuffles each client's rows; fedsim sorts them (the order never mattered)
+    return Partitions.from_owners(owner, num_partitions)
 
 
 @PARTITIONERS.register("shard", ShardParams)
