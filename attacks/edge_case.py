@@ -196,7 +196,7 @@ class EdgeCaseBackdoor(ClientAttack):
 
     def _copy_holders(self, runtime) -> list[int]:
         def build() -> list[int]:
-            honest = [c for c in range(runtime.scenario.federation.num_clients) if c not in runtime.attackers]
+            honest = np.setdiff1d(np.arange(runtime.scenario.federation.num_clients), runtime.attackers)
             k = max(1, round(self.params.honest_copy_share * runtime.scenario.federation.num_clients))
             rng = np.random.default_rng([runtime.scenario.seed, 0xC0B1])
             return sorted(rng.choice(honest, size=min(k, len(honest)), replace=False).tolist())

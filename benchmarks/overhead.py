@@ -219,6 +219,8 @@ LEVERS = {
     "overlap": ("evaluation of round t on one thread beside round t+1's training (evaluation.overlap)",
                 ("overlap_evaluation", False)),
     "known-nodes": ("node -> partition map taken from the engine, no QUERY round", ("known_simulation_nodes", False)),
+    "nodes-on-demand": ("a simulated node registered with the link state when first messaged, not all before round 1",
+                        ("nodes_on_demand", False)),
     "fast-delivery": ("one scan of stored messages per delivery sweep", ("fast_message_delivery", False)),
     "light-actor": ("fedsim's client actor class, cheap to import (not Flower's)", ("light_actor", False)),
     "largest-first": ("the round's messages go out largest client first", ("largest_first", False)),

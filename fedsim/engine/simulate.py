@@ -3,9 +3,13 @@
 While `simulate` runs, two functions of Flower's simulation engine (flwr 1.41, `vce_api`) are
 wrapped or replaced, and restored afterwards:
 
-* node registration: the engine's node id -> partition id map is recorded, so the ServerApp
-  takes it from there instead of sending every registered node a QUERY (200 messages and several
-  seconds at start-up for 200 clients; deployment still asks, see fedsim/server/nodes.py);
+* node registration: Flower registers every one of `num_supernodes` nodes with the link state and
+  makes each a run-info store with its Context before the first round (1,000,000 nodes: 93 s and
+  2.7 GB in this process). fedsim registers a node when the server first messages it
+  (`SimulatedNodes`): a round costs the nodes it samples, the others cost nothing. The engine's
+  node id -> partition id map is recorded, so the ServerApp takes it from there instead of sending
+  every registered node a QUERY (200 messages and several seconds at start-up for 200 clients;
+  deployment still asks, see fedsim/server/nodes.py);
 * message delivery: Flower's loop asks the link state for each registered node's messages every
   0.1 s, and every ask scans every stored message: O(nodes x messages) Python work per sweep
   under the GIL. With 10,000 registered clients and 100 messages in flight that is a million
@@ -48,6 +52,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -88,6 +93,98 @@ def backend_config(scenario, verbose: bool) -> dict:
 
 
 # --- the engine adjustments ----------------------------------------------------------------------
+class SimulatedNodes(Mapping):
+    """The simulation's nodes, each registered with the link state when the server first needs it.
+
+    Flower's engine takes this where it takes `_register_nodes`' {node id: partition id}: as that
+    mapping it holds the nodes registered so far (messages can only be for those), which the
+    delivery loop tests messages against and the workers' run-info stores (`NodeInfoStores`) are
+    made from. The server sees `by_partition`, {partition id: node id} over all
+    `num_partitions` partitions: reading a partition's node registers it (Flower's own
+    `create_node` and heartbeat, fedsim/flower/compat.py `register_node`) the first time.
+    Registration is under a lock: the server and the engine's threads read it at once."""
+
+    def __init__(self, state, num_partitions: int) -> None:
+        self.state, self.num_partitions = state, num_partitions
+        self.lock = threading.Lock()
+        self._node: dict[int, int] = {}  # partition id -> node id, registered ones
+        self._partition: dict[int, int] = {}  # node id -> partition id
+        self.by_partition = PartitionNodes(self)
+
+    # Flower's side: {node id: partition id} of the nodes registered so far
+    def __getitem__(self, node_id: int) -> int:
+        return self._partition[node_id]
+
+    def __contains__(self, node_id) -> bool:
+        return node_id in self._partition
+
+    def __iter__(self):
+        return iter(list(self._partition))  # a copy: the server may register a node meanwhile
+
+    def __len__(self) -> int:
+        return len(self._partition)
+
+    # the server's side
+    def node_of(self, partition_id: int) -> int:
+        node = self._node.get(partition_id)
+        if node is not None:
+            return node
+        if not 0 <= partition_id < self.num_partitions:
+            raise KeyError(partition_id)
+        with self.lock:
+            node = self._node.get(partition_id)
+            if node is None:
+                node = flower_compat.register_node(self.state)
+                self._partition[node] = partition_id  # before the server can address a message to it
+                self._node[partition_id] = node
+        return node
+
+    def partition_of(self, node_id: int, default: int = -1) -> int:
+        return self._partition.get(node_id, default)
+
+
+class PartitionNodes(Mapping):
+    """{partition id: node id} over every partition of a `SimulatedNodes`, registering on first read.
+    Iterating it registers every node: the server reads the nodes of the clients it samples."""
+
+    def __init__(self, nodes: SimulatedNodes) -> None:
+        self.nodes = nodes
+
+    def __getitem__(self, partition_id: int) -> int:
+        return self.nodes.node_of(partition_id)
+
+    def __contains__(self, partition_id) -> bool:
+        return isinstance(partition_id, int) and 0 <= partition_id < self.nodes.num_partitions
+
+    def __iter__(self):
+        return iter(range(self.nodes.num_partitions))
+
+    def __len__(self) -> int:
+        return self.nodes.num_partitions
+
+    def pid_of(self, node_id: int, default: int = -1) -> int:
+        return self.nodes.partition_of(node_id, default)
+
+
+class NodeInfoStores(dict):
+    """{node id: Flower's run-info store} for `SimulatedNodes`, each store made (as
+    `_register_node_info_stores` makes it, fedsim/flower/compat.py `node_info_store`) when the
+    engine's worker first looks a node up, so a node never messaged has none."""
+
+    def __init__(self, nodes: SimulatedNodes, run, app_dir: str | None) -> None:
+        super().__init__()
+        self.nodes, self.run, self.app_dir = nodes, run, app_dir
+        self.lock = threading.Lock()
+
+    def __missing__(self, node_id: int):
+        with self.lock:
+            if node_id not in self:
+                store = flower_compat.node_info_store(node_id, self.nodes[node_id], self.nodes.num_partitions,
+                                                      self.run, self.app_dir)
+                self[node_id] = store
+            return dict.__getitem__(self, node_id)
+
+
 class NodeMaps:
     """{partition id: node id} per link state, recorded where the engine registers its nodes.
 
@@ -97,13 +194,16 @@ class NodeMaps:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.active = 0  # simulate() calls in progress in this process
-        self.maps: dict[int, dict[int, int]] = {}
+        self.maps: dict[int, Mapping[int, int]] = {}
 
-    def record(self, state, mapping: dict[int, int]) -> None:
+    def record(self, state, mapping: Mapping[int, int]) -> None:
+        """`mapping`: the engine's {node id: partition id}, a `SimulatedNodes` or Flower's dict."""
+        by_partition = mapping.by_partition if isinstance(mapping, SimulatedNodes) else \
+            {pid: node for node, pid in mapping.items()}
         with self.lock:
-            self.maps[id(state)] = {pid: node for node, pid in mapping.items()}
+            self.maps[id(state)] = by_partition
 
-    def lookup(self, grid, timeout: float) -> dict[int, int] | None:
+    def lookup(self, grid, timeout: float) -> Mapping[int, int] | None:
         """{partition id: node id} of the simulation driving `grid`, waiting up to `timeout` s for
         the engine to register the nodes (the ServerApp thread starts first); None when `grid`
         does not belong to a `simulate` call (then the server asks each node)."""
@@ -117,7 +217,7 @@ class NodeMaps:
                     return None
                 found = self.maps.get(id(state))
             if found is not None:
-                return dict(found)
+                return dict(found) if isinstance(found, dict) else found
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the simulation engine registered no nodes within {timeout:.0f}s")
             time.sleep(0.02)
@@ -126,7 +226,7 @@ class NodeMaps:
 NODE_MAPS = NodeMaps()
 
 
-def registered_partitions(grid, timeout: float) -> dict[int, int] | None:
+def registered_partitions(grid, timeout: float) -> Mapping[int, int] | None:
     """See `NodeMaps.lookup`."""
     return NODE_MAPS.lookup(grid, timeout)
 
@@ -192,10 +292,20 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
         return
     flower = flower_compat.engine_members()  # Flower's own, put back when the last user leaves
 
+    on_demand = options.nodes_on_demand and options.known_simulation_nodes  # a QUERY per node needs them all
+
     def register_nodes(num_nodes, state_factory):
-        mapping = flower["register_nodes"](num_nodes=num_nodes, state_factory=state_factory)
+        if on_demand:
+            mapping = SimulatedNodes(state_factory.state(), num_nodes)
+        else:
+            mapping = flower["register_nodes"](num_nodes=num_nodes, state_factory=state_factory)
         NODE_MAPS.record(state_factory.state(), mapping)
         return mapping
+
+    def node_info_stores(nodes_mapping, run, app_dir=None):
+        if isinstance(nodes_mapping, SimulatedNodes):
+            return NodeInfoStores(nodes_mapping, run, app_dir)
+        return flower["node_info_stores"](nodes_mapping=nodes_mapping, run=run, app_dir=app_dir)
 
     light_actor = client_actor_class() if options.light_actor else None
     cohorts = options.cohorts and light_actor is not None  # only fedsim's actor runs a cohort task
@@ -217,7 +327,7 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
 
     with NODE_MAPS.lock:
         NODE_MAPS.active += 1
-    adjusted = {"register_nodes": register_nodes, "deliver": deliver, "terminate_all_actors": terminate_all_actors,
+    adjusted = {"register_nodes": register_nodes, "node_info_stores": node_info_stores, "deliver": deliver, "terminate_all_actors": terminate_all_actors,
                 "queue": prompt_stop_queue(options.queue_wait_seconds)}
     if options.prestarted_workers:
         adjusted["init_ray"] = start_local_ray(flower["init_ray"], after_ray_init, options.malloc_settings)

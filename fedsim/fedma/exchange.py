@@ -218,7 +218,7 @@ class FedMAExchange:
 
     def _collect(self, replies, l: int, expected: list[int], state: State, record: RoundRecord, counts: dict, losses: dict) -> dict:
         """Valid uploads of layer l by partition id; the rest are logged in `rejected`."""
-        owner = ReplyOwners(self._exchange, self.node_of)
+        owner = ReplyOwners(self._exchange)
         out, seen = {}, set()
         for reply in replies:
             pid = owner(reply)

@@ -6,10 +6,11 @@ all here, so that a Flower upgrade means reading one file and running one test
 (`tests/test_flower_compat.py`, which fails naming every probe that no longer holds):
 
 * `simulation-engine`: fedsim's simulation adjustments (fedsim/engine/simulate.py) replace or wrap,
-  through `set_engine_members` here, seven members of Flower's simulation engine (node registration, message delivery, the worker
-  queues and the workers themselves (cohorts: one actor task for several messages), actor shutdown and
-  class, Ray's start). Fallback: the engine runs as shipped (correct,
-  slower at scale).
+  through `set_engine_members` here, eight members of Flower's simulation engine (node registration
+  and the nodes' run-info stores, message delivery, the worker queues and the workers themselves
+  (cohorts: one actor task for several messages), actor shutdown and class, Ray's start); nodes are
+  registered one at a time, when first messaged, by `register_node` and `node_info_store`.
+  Fallback: the engine runs as shipped (correct, slower at scale).
 * `actor-contract`: the exceptions Flower's client actors raise (`ClientAppException`,
   `LoadClientAppError`), which fedsim's lighter actor must raise too. Fallback: Flower's actor.
 * `message-size`: the protobuf serializer of a RecordDict, to count the bytes a message carries.
@@ -28,6 +29,7 @@ missing.
 from __future__ import annotations
 
 import importlib
+import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,7 +76,13 @@ PROBES = {
                f"{_POOL}:BasicActorPool.terminate_all_actors", f"{_VCE}:worker", f"{_VCE}:VceMetrics",
                "flwr.common.constant:ErrorCode", f"{_RAYBACKEND}:RayBackend.process_message",
                f"{_LINKSTATE}:InMemoryLinkState._check_stored_messages",
-               f"{_LINKSTATE}:InMemoryLinkState.get_message_ins", "flwr.supercore.date:now"),
+               f"{_LINKSTATE}:InMemoryLinkState.get_message_ins", "flwr.supercore.date:now",
+               f"{_VCE}:_register_node_info_stores", f"{_LINKSTATE}:InMemoryLinkState.create_node",
+               f"{_LINKSTATE}:InMemoryLinkState.acknowledge_node_heartbeat",
+               "flwr.compat.client.run_info_store:DeprecatedRunInfoStore.register_context",
+               "flwr.common.constant:NOOP_FLWR_AID", "flwr.common.constant:NOOP_ACCOUNT_NAME",
+               "flwr.common.constant:HEARTBEAT_INTERVAL_INF", "flwr.common.constant:PARTITION_ID_KEY",
+               "flwr.common.constant:NUM_PARTITIONS_KEY"),
               "Flower's simulation engine as shipped"),
         Probe("actor-contract", "fedsim's light client actor raises what Flower's actor raises",
               ("flwr.clientapp.client_app:ClientAppException", "flwr.clientapp.client_app:LoadClientAppError"),
@@ -124,6 +132,7 @@ def flower_log(level: int, msg: str, *args) -> None:
 # simulation adjustments replace (fedsim/engine/simulate.py builds the replacements)
 ENGINE_MEMBERS = {
     "register_nodes": (_VCE, "_register_nodes"),
+    "node_info_stores": (_VCE, "_register_node_info_stores"),
     "deliver": (_VCE, "add_messages_to_queue"),
     "queue": (_VCE, "Queue"),
     "actor_class": (_RAYBACKEND, "ClientAppActor"),
@@ -150,6 +159,32 @@ def set_engine_members(values: dict[str, Any]) -> None:
     for name, value in values.items():
         owner, attr = ENGINE_MEMBERS[name]
         setattr(_owner(owner), attr, value)
+
+
+def register_node(state) -> int:
+    """Register one simulated node with an in-memory link state and return its id: what
+    `vce_api._register_nodes` does for each of its nodes (`create_node` with a random public key,
+    then a heartbeat with an infinite interval, so the node stays online), for one node, when fedsim's
+    engine needs it (fedsim/engine/simulate.py: `SimulatedNodes`)."""
+    const = importlib.import_module("flwr.common.constant")
+    while True:
+        node_id = state.create_node(const.NOOP_FLWR_AID, const.NOOP_ACCOUNT_NAME, secrets.token_bytes(32),
+                                    heartbeat_interval=const.HEARTBEAT_INTERVAL_INF)
+        if node_id:  # 0: the random id was taken (Flower logs it); draw again
+            break
+    state.acknowledge_node_heartbeat(node_id=node_id, heartbeat_interval=const.HEARTBEAT_INTERVAL_INF)
+    return node_id
+
+
+def node_info_store(node_id: int, partition_id: int, num_partitions: int, run, app_dir: str | None):
+    """The run-info store (node config and the run's Context) of one simulated node: what
+    `vce_api._register_node_info_stores` makes for each node of the mapping, for one node."""
+    const = importlib.import_module("flwr.common.constant")
+    store_class = _get("flwr.compat.client.run_info_store:DeprecatedRunInfoStore")
+    store = store_class(node_id=node_id, node_config={const.PARTITION_ID_KEY: partition_id,
+                                                      const.NUM_PARTITIONS_KEY: num_partitions})
+    store.register_context(run_id=run.run_id, run=run, app_dir=app_dir)
+    return store
 
 
 def link_state_now() -> str:

@@ -25,5 +25,7 @@ class EngineOptions:
     reply_poll_seconds: float = 0.01  # the in-memory grid looks for replies every 0.1 s (Flower)
     # server (fedsim/server/nodes.py, fedsim/server/driver.py, fedsim/server/closing.py)
     known_simulation_nodes: bool = True  # node -> partition map from the engine: no QUERY per node
+    nodes_on_demand: bool = True  # a simulated node is registered when first messaged, not all before round 1
+    # (needs known_simulation_nodes: a QUERY per node needs every node registered)
     largest_first: bool = True  # the round's messages go out largest client first
     overlap_evaluation: bool | None = None  # force evaluation.overlap on/off (None: the scenario decides)

@@ -37,18 +37,23 @@ class ReplyOwners:
     from its own node id, which would put the failure under a client that does not exist and leave
     the dead client with a false timeout. The grid gives each message its id when it pushes it, so
     the map is read after sending. A reply whose message id is unknown (a grid that sets none)
-    falls back to its source node."""
+    falls back to its source node, looked up among the round's own clients (the node map may hold
+    a million partitions: fedsim/server/nodes.py)."""
 
-    def __init__(self, sent: list[tuple[Message, int]], node_of: dict[int, int]) -> None:
+    def __init__(self, sent: list[tuple[Message, int]]) -> None:
         self.sent = sent
-        self.node_pid = {node: pid for pid, node in node_of.items()}
         self._by_id: dict[str, int] | None = None
+        self._by_node: dict[int, int] | None = None
 
     def __call__(self, reply: Message) -> int:
         if self._by_id is None:
             self._by_id = {m.metadata.message_id: pid for m, pid in self.sent if m.metadata.message_id}
         pid = self._by_id.get(reply.metadata.reply_to_message_id)
-        return pid if pid is not None else self.node_pid.get(reply.metadata.src_node_id, -1)
+        if pid is not None:
+            return pid
+        if self._by_node is None:
+            self._by_node = {m.metadata.dst_node_id: pid for m, pid in self.sent}
+        return self._by_node.get(reply.metadata.src_node_id, -1)
 
 
 class PlainExchange:
@@ -56,7 +61,7 @@ class PlainExchange:
 
     def __init__(self, driver: RoundDriver, node_of: dict[int, int]) -> None:
         self.driver, self.node_of = driver, node_of
-        self.owner = ReplyOwners([], node_of)
+        self.owner = ReplyOwners([])
         self.sent_at = time.perf_counter()  # when this round's messages were handed to Flower
 
     def configure(self, plan: RoundPlan, grid: Grid) -> list[Message]:
@@ -70,7 +75,7 @@ class PlainExchange:
                           dst_node_id=self.node_of[pid], message_type=MessageType.TRAIN)
             down_per_client[pid] = model_bytes + records_bytes({"config": config_record})
             sent.append((msg, pid))
-        self.owner = ReplyOwners(sent, self.node_of)
+        self.owner = ReplyOwners(sent)
         driver.pending.bytes_down = sum(down_per_client.values())
         driver.pending.bytes_down_per_client = down_per_client
         self.sent_at = time.perf_counter()

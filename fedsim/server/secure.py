@@ -99,6 +99,14 @@ class CountingGrid:
         return replies
 
 
+def largest_client(rt, strikers) -> int:
+    """The most examples any client trains on this round (SecAgg+'s default max_weight): the largest
+    partition when no attack changes a client's data, read from the partition sizes at once."""
+    if rt.attack is None:
+        return int(rt.partitions.sizes.max())
+    return max(rt.client_size(p, attacking=p in strikers) for p in range(rt.scenario.federation.num_clients))
+
+
 class SecureExchange(ABC):
     """A secure aggregation protocol's exchanges for one round, one protocol instance per group
     (see the module's docstring). Subclasses say how one group's secure sum runs (`run_group`)."""
@@ -124,8 +132,7 @@ class SecureExchange(ABC):
             cfg["secagg-rounding-seed"] = derive_seed(driver.scenario.seed, SECAGG_ROUNDING, rnd, pid) % (2**31)
             instructions[pid] = (model, cfg)
         groups = plan.groups or [sorted(instructions)]
-        self.max_weight = sa.max_weight or max(driver.rt.client_size(p, attacking=p in plan.strikers)
-                                               for p in range(driver.scenario.federation.num_clients))
+        self.max_weight = sa.max_weight or largest_client(driver.rt, plan.strikers)
         counter = CountingGrid(grid)
         started = time.perf_counter()
         driver.timing[rnd] = {"encode": started - driver.started}
@@ -152,7 +159,7 @@ class SecureExchange(ABC):
         record: RoundRecord = driver.pending
         t_start = time.perf_counter()
         timing = driver.timing.setdefault(record.round, {})
-        pid_of = {node: pid for pid, node in self.node_of.items()}
+        pid_of = {self.node_of[p]: p for members, _, _ in self.groups_out for p in members}  # the round's clients
         up_per = {pid_of[n]: sum(v.values()) for n, v in counter.up.items()}
         down_per = {pid_of[n]: sum(v.values()) for n, v in counter.down.items()}
         stages: dict[str, dict[str, int]] = {}

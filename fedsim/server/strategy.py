@@ -22,7 +22,7 @@ from fedsim.registry import protocol_for
 from fedsim.runs.folder import RunFolder
 from fedsim.server.closing import RoundCloser
 from fedsim.server.driver import RoundDriver
-from fedsim.server.nodes import discover_nodes
+from fedsim.server.nodes import NodeDirectory, discover_nodes
 from fedsim.wire import pack_model
 
 log = logging.getLogger("fedsim")
@@ -37,13 +37,13 @@ class ScenarioStrategy(Strategy):
         self.protocol = protocol_for(self.scenario)  # the registered round protocol: its exchange does the messages
         self.driver = RoundDriver(runtime, checkpoint_to, largest_first=options.largest_first,
                                   update_pipeline=self.protocol.traits.update_pipeline)
-        self.node_of: dict[int, int] = {}  # partition id -> node id (filled by discover_nodes)
+        self.node_of = NodeDirectory()  # partition id -> node id (filled by discover_nodes)
         self.exchange = self.protocol.load("exchange")(self.driver, self.node_of)
         self.closer = RoundCloser(self.driver, on_round, options.overlap_evaluation, defer_last_round)
         self.node_map = node_map  # fedsim's simulation: (grid, timeout) -> {partition id: node id}
 
     def discover_nodes(self, grid: Grid, timeout: float) -> None:
-        self.node_of.update(discover_nodes(grid, self.scenario.federation.num_clients, timeout, self.node_map))
+        self.node_of.use(discover_nodes(grid, self.scenario.federation.num_clients, timeout, self.node_map))
 
     def resume_from(self, state: dict) -> None:
         self.driver.resume_from(state)
