@@ -27,7 +27,12 @@ already reached the horizon is read, not run again (an AdaComm run without `star
 rounds, recorded before fedsim measured F at the global model, is run again). Simulated times do
 not depend on this machine's speed; the wall time does (docs/adacomm.md gives it).
 
-Run: `FEDSIM_DATA_DIR=... .venv/bin/python benchmarks/adacomm.py [--seeds 0,1] [--jitter 0.5] [--out results/adacomm]`
+`--scenario` names another base scenario (scenarios/systems/adacomm_noniid.yaml: a Dirichlet label
+split and a larger lr, where client drift should give a large τ an error floor); its runs go to
+results/<the scenario file's name> unless `--out` says otherwise (results/adacomm_noniid), so the
+folders of different scenarios never mix.
+
+Run: `FEDSIM_DATA_DIR=... .venv/bin/python benchmarks/adacomm.py [--scenario ...] [--seeds 0,1] [--jitter 0.5] [--out results/adacomm]`
 """
 
 from __future__ import annotations
@@ -208,6 +213,12 @@ def adacomm_case(base: dict, tau0: int, interval: float, seed: int) -> dict:
     return raw
 
 
+def window_mean(curve, a: float, b: float) -> str:
+    """Mean test loss of the global models evaluated after rounds closing in (a, b] simulated s."""
+    losses = [l for t, l, _ in curve if a < t <= b]
+    return f"{sum(losses) / len(losses):.4f}" if losses else "-"
+
+
 def fmt_t(t: float | None) -> str:
     return "-" if t is None else f"{t:.0f}"
 
@@ -233,8 +244,12 @@ def main() -> int:
     parser.add_argument("--jitter", type=float, default=None,
                         help="systems.jitter σ for every run (random straggling; default: the scenario's, 0)")
     parser.add_argument("--targets", default="0.5,0.3,0.2,0.15,0.12,0.1", help="test losses of the global model")
+    parser.add_argument("--windows", type=float, default=None,
+                        help="also print each run's mean test loss over consecutive windows of this many simulated s "
+                             "(whether a run's loss still falls late in the horizon, or has stopped at a floor)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in flight on the shared engine")
-    parser.add_argument("--out", default="results/adacomm", help="folder of the runs (reused: finished runs are read)")
+    parser.add_argument("--out", default=None, help="folder of the runs (reused: finished runs are read); "
+                        "default results/<the scenario file's name>: results/adacomm for the default scenario")
     parser.add_argument("--set", action="append", default=[], help="scenario overrides KEY=VALUE for every run")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
@@ -250,11 +265,13 @@ def main() -> int:
         if args.jitter > 0:  # jitter 0 leaves the scenario as it was: its runs are the same folders
             base["systems"]["jitter"] = args.jitter
     jitter = float(base["systems"].get("jitter", 0.0) or 0.0)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else Path("results") / Path(args.scenario).stem
     tag = f"h{args.horizon:g}" + (f"-j{jitter:g}" if jitter else "")
     runs = Runs(out, args.horizon, args.jobs, args.verbose)
     wall = time.perf_counter()
     try:
+        if Path(args.scenario).resolve() != (REPO / "scenarios/systems/adacomm.yaml").resolve():
+            print(f"scenario {args.scenario} ({base.get('name')}), runs in {out}", flush=True)
         print(f"fixed τ in {taus}, seeds {seeds}, {args.horizon:g} simulated s each, jitter {jitter:g}", flush=True)
         runs.run([(f"fixed-tau{tau}-seed{seed}-{tag}", fixed_case(base, tau, seed)) for seed in seeds for tau in taus])
         curves = {(tau, seed): evaluated(read_rounds(out / f"fixed-tau{tau}-seed{seed}-{tag}"), args.horizon)
@@ -304,6 +321,16 @@ def main() -> int:
         print(f"\nseed {seed}, jitter {jitter:g}: test loss of the global model against simulated seconds "
               f"(H = {args.horizon:g} s; the last column is τ=1's loss at H)")
         print(table(rows, head))
+        if args.windows:
+            edges = [0.0]
+            while edges[-1] < args.horizon - 1e-9:
+                edges.append(min(edges[-1] + args.windows, args.horizon))
+            spans = list(zip(edges, edges[1:]))
+            wrows = [[name] + [window_mean(c, a, b) for a, b in spans] + [f"{min(l for _, l, _ in c):.4f}"]
+                     for name, c in [(f"fixed τ={tau}", curves[tau, seed]) for tau in taus] + [(f"AdaComm τ0={tau0s[seed]}", ada)]]
+            print(f"mean test loss of the global model over windows of simulated seconds (rounds closing in (a, b]; "
+                  f"the last column: the lowest of any round, through the first that closes at or after H)")
+            print(table(wrows, ["run"] + [f"{a:g}-{b:g} s" for a, b in spans] + ["min"]))
         changes, last = [], None
         for r in ada_rounds:
             if r.get("local_steps") is not None and r["local_steps"] != last:
