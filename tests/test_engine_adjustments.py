@@ -19,17 +19,8 @@ import time
 
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.server.superlink.fleet.vce import vce_api
-from flwr.server.superlink.linkstate import LinkStateFactory
-from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
-from flwr.supercore.object_store import ObjectStoreFactory
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
-from flwr.superlink.federation import NoOpFederationManager
-from flwr.superlink.grid import InMemoryGrid
+from link_state import empty_link_state
 
 from fedsim.engine.ray_actor import CompactClientApp, _client_app
 from fedsim.runtime import scenario_key
@@ -43,16 +34,7 @@ def _deliver_messages(state, queue, mapping, stop):
 
 def _link_state(num_nodes: int):
     """A link state and grid set up the way run_simulation sets them up, with `num_nodes` registered nodes."""
-    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
-    state = factory.state()
-    run = Run.create_empty(run_id=4242)
-    run.primary_task_id = 77
-    run.federation_id = NOOP_FEDERATION_ID
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run.run_id, SUPERLINK_NODE_ID
-    state.run_ids[run.run_id] = RunRecord(run=run)
-    state.task_store[77] = Task(task_id=77, run_id=run.run_id)
-    grid = InMemoryGrid(state_factory=factory)
-    grid.set_run(run)
+    state, factory, grid, _ = empty_link_state(run_id=4242, task_id=77)
     mapping = vce_api._register_nodes(num_nodes=num_nodes, state_factory=factory)
     return state, grid, mapping
 

@@ -14,17 +14,8 @@ import json
 
 import pytest
 from flwr.app import Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.server.superlink.fleet.vce import vce_api
-from flwr.server.superlink.linkstate import LinkStateFactory
-from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
-from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
-from flwr.supercore.object_store import ObjectStoreFactory
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
-from flwr.superlink.federation import NoOpFederationManager
-from flwr.superlink.grid import InMemoryGrid
+from link_state import empty_link_state
 
 from fedsim.engine.simulate import NodeInfoStores, SimulatedNodes
 from fedsim.flower import compat as flower_compat
@@ -34,18 +25,7 @@ MILLION = 1_000_000
 
 
 def _empty_link_state():
-    """A link state, its factory, grid and run, set up as run_simulation sets them up, with no node."""
-    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
-    state = factory.state()
-    run = Run.create_empty(run_id=4343)
-    run.primary_task_id = 78
-    run.federation_id = NOOP_FEDERATION_ID
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run.run_id, SUPERLINK_NODE_ID
-    state.run_ids[run.run_id] = RunRecord(run=run)
-    state.task_store[78] = Task(task_id=78, run_id=run.run_id)
-    grid = InMemoryGrid(state_factory=factory)
-    grid.set_run(run)
-    return state, factory, grid, run
+    return empty_link_state(run_id=4343, task_id=78)
 
 
 def test_a_node_is_registered_when_its_partition_is_first_read():
