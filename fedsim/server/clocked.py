@@ -19,9 +19,9 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fedsim.clock.cost import train_flops_per_sample
+from fedsim.compression.base import PayloadError
 from fedsim.server.driver import RoundDriver, RoundPlan
 from fedsim.server.exchange import PlainExchange
-from fedsim.compression.base import PayloadError
 from fedsim.wire import is_number, message_bytes, trained_samples
 
 
@@ -63,11 +63,12 @@ class ClockedExchange:
         target = driver.scenario.federation.clients_per_round
         close = policy.close(list(finish.values()), target)
         late = sorted(p for p, f in finish.items() if close is not None and f > close)
-        on_time = [r for r in replies if self.inner.owner(r) not in late]
+        late_set = set(late)
+        on_time = [r for r in replies if self.inner.owner(r) not in late_set]
         record.update({"stragglers": late, "client_seconds": {p: [round(s, 6) for s in times[p]] for p in sorted(times)}})
         if clock.adacomm is not None:
             record.start_loss = start_loss(on_time)
-        excused = frozenset(late) | frozenset(record.dropped_out)
+        excused = frozenset(late_set) | frozenset(record.dropped_out)
         result = self.inner.aggregate(on_time, excused=excused)
         server = driver.scenario.systems.server_seconds
         if server == "measured":  # this machine's decode and aggregation (not reproducible: said in the docs)
