@@ -23,10 +23,13 @@ KEYS = ["seed", "name", "federation.num_clients", "federation.clients_per_round"
         "aggregator.num_selected", "aggregator.num_trim", "aggregator.beta", "aggregator.group_size", "attack",
         "attack.num_attackers", "attack.attacker_ids", "attack.schedule", "attack.edge_set", "defenses", "compression",
         "compression.fraction", "lowrank", "model", "model.hidden", "data.partition", "data.dataset", "evaluation.every",
-        "sweep", "sweep.seed", "base", "colour"]
+        "sweep", "sweep.seed", "base", "colour", "systems", "systems.round", "systems.round.factor",
+        "systems.round.deadline", "systems.availability.dropout", "systems.availability.diurnal", "systems.devices",
+        "systems.networks", "systems.adacomm", "systems.server_seconds", "systems.targets"]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(10**30), 10**30), st.floats(allow_nan=True, allow_infinity=True),
                     st.text(max_size=30), st.sampled_from(["krum", "median", "fedavg", "detox", "edge_case", "topk", "fedma",
-                                                           "cuttlefish", "lenet", "mlp", "dirichlet", "every_round"]))
+                                                           "cuttlefish", "lenet", "mlp", "dirichlet", "every_round",
+                                                           "over_selection", "deadline", "wait_for_all", "measured"]))
 values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                        st.dictionaries(st.one_of(st.text(max_size=10), st.integers()), inner, max_size=4)),
                       max_leaves=12)
