@@ -46,13 +46,13 @@ class ClockedExchange:
         rnd, started = record.round, time.perf_counter()
         policy = driver.scenario.systems.round
         flops = self.flops_per_sample()
-        finish, times = {}, {}
+        finish, times, sizes = {}, {}, {}
         for reply in replies:
             pid = self.inner.owner(reply)
             if reply.has_error() or pid not in record.bytes_down_per_client:
                 continue  # a failure: the plain exchange records it
             try:
-                up = message_bytes(reply)
+                up = sizes[pid] = message_bytes(reply)  # serialized once: the plain exchange reuses it
             except PayloadError:
                 continue  # cannot have crossed a wire: the plain exchange rejects it
             samples = trained_samples(reply.content)
@@ -69,7 +69,7 @@ class ClockedExchange:
         if clock.adacomm is not None:
             record.start_loss = start_loss(on_time)
         excused = frozenset(late_set) | frozenset(record.dropped_out)
-        result = self.inner.aggregate(on_time, excused=excused)
+        result = self.inner.aggregate(on_time, excused=excused, sizes=sizes)
         server = driver.scenario.systems.server_seconds
         if server == "measured":  # this machine's decode and aggregation (not reproducible: said in the docs)
             server = time.perf_counter() - started

@@ -140,15 +140,14 @@ class RoundDriver:
         the round policy selects (over-selection: more than clients_per_round)."""
         fed = self.scenario.federation
         rng = numpy_rng(self.scenario.seed, SAMPLE, rnd)
-        population, per_round = fed.num_clients, fed.clients_per_round
+        population, per_round = np.arange(fed.num_clients), fed.clients_per_round
         if self.clock is not None:
             population = np.flatnonzero(self.clock.checked_in(rnd))
             per_round = min(self.scenario.systems.round.selected(per_round), len(population))
         if self.scenario.attack is not None:
             return sample_round(self.scenario.attack.schedule, rnd, population, per_round, self.rt.attackers, rng)
-        if self.clock is not None:
-            return sorted(population[rng.choice(len(population), per_round, replace=False)].tolist()), []
-        return sorted(rng.choice(fed.num_clients, fed.clients_per_round, replace=False).tolist()), []
+        # drawing positions in the population: for all clients the same draws as choice(num_clients)
+        return sorted(population[rng.choice(len(population), per_round, replace=False)].tolist()), []
 
     def rounds_since_attack(self, rnd: int, attacked: bool) -> int | None:
         """Rounds since the last round with an attacker (0 now, None before any). The schedule is

@@ -82,13 +82,14 @@ class PlainExchange:
         driver.timing[plan.round] = {"encode": self.sent_at - driver.started}
         return [msg for msg, _ in sent]
 
-    def aggregate(self, replies: list[Message], excused: frozenset = frozenset()) -> int | None:
-        """`excused`: sampled clients whose missing reply is no failure (a clock's stragglers and dropouts)."""
+    def aggregate(self, replies: list[Message], excused: frozenset = frozenset(), sizes: dict | None = None) -> int | None:
+        """`excused`: sampled clients whose missing reply is no failure (a clock's stragglers and dropouts);
+        `sizes`: replies' serialized sizes by client, where a wrapping exchange has measured them already."""
         driver, record = self.driver, self.driver.pending
         t_start = time.perf_counter()
         timing = driver.timing.setdefault(record.round, {})
         timing["waiting_for_clients"] = t_start - self.sent_at
-        rows, rejected, up, losses = self.decode(replies)
+        rows, rejected, up, losses = self.decode(replies, sizes or {})
         timing["decode"] = time.perf_counter() - t_start
         fed = driver.scenario.federation
         answered = {self.owner(m) for m in replies}
@@ -113,7 +114,7 @@ class PlainExchange:
         timing["aggregate"] = time.perf_counter() - t_start - timing["decode"]
         return len(rows)
 
-    def decode(self, replies: list[Message]) -> tuple[list, dict, int, dict]:
+    def decode(self, replies: list[Message], sizes: dict | None = None) -> tuple[list, dict, int, dict]:
         """Accepted (pid, update, weight) rows sorted by partition id, rejections with reasons, upload bytes, losses."""
         driver, record = self.driver, self.driver.pending
         rows, rejected, up, losses = [], {}, 0, {}
@@ -125,7 +126,7 @@ class PlainExchange:
                 rejected[pid] = f"client error: {reply.error.reason}"
                 continue
             try:
-                size = message_bytes(reply)
+                size = sizes[pid] if sizes and pid in sizes else message_bytes(reply)
                 up += size
                 up_per_client[pid] = size
                 update, weight, loss = decode_upload(reply.content, driver.rt.codec, driver.layout)
