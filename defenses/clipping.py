@@ -49,6 +49,11 @@ class NormClippingParams(Params):
     delta: float = Field(3.0, gt=0, description="L2 bound δ on each update (OOD_FL argparse default; README: 2 CIFAR, 1.5 EMNIST)")
     adaptive: bool = Field(False, description="use δ = mean of this round's update norms instead (OOD_FL's experimental variant)")
 
+    def round_problem(self, n: int):
+        if self.adaptive and n < 2:  # δ = the one update's own norm
+            return "adaptive", f"adaptive norm_clipping needs at least 2 updates, got n={n}: nothing would ever be clipped", True
+        return None
+
 
 @DEFENSES.register("norm_clipping", NormClippingParams,
                    secure_alternative="secure_aggregation.clip_norm: clients clip before masking")

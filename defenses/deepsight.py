@@ -76,6 +76,14 @@ class DeepSightParams(Params):
     min_cluster_size: int = Field(2, ge=2, description="HDBSCAN min_cluster_size of every clustering")
     min_samples: int = Field(1, ge=1, description="HDBSCAN min_samples of every clustering")
 
+    def round_problem(self, n: int):
+        """With n <= min_cluster_size every clustering is one cluster of all n (n = 1: noise, and
+        never suspicious, TE_1 > TE_1 / 2): the round is kept or removed whole, nothing told apart."""
+        if n <= self.min_cluster_size:
+            return ("min_cluster_size", f"deepsight needs more than min_cluster_size={self.min_cluster_size} updates to "
+                    f"tell clusters apart, got n={n}: they would be kept or removed together", self.min_cluster_size)
+        return None
+
 
 def output_layer(layout) -> tuple[str, str]:
     """Names of the output layer's weight [P, ...] and bias [P]: the layout's last two tensors."""

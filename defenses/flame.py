@@ -37,6 +37,21 @@ class FlameParams(Params):
     min_cluster_size: int | None = Field(None, ge=2, description="HDBSCAN min_cluster_size; None means n//2 + 1")
     min_samples: int = Field(1, ge=1, description="HDBSCAN min_samples")
 
+    def round_problem(self, n: int):
+        return cluster_problem("flame", n, self.min_cluster_size)
+
+
+def cluster_problem(defense: str, n: int, min_cluster_size: int | None):
+    """`round_problem` of a majority-cluster filter (FLAME, FreqFed): HDBSCAN's min_cluster_size
+    (n//2 + 1 when None) must be below n, else its one cluster is every update and none is removed
+    (`majority_cluster` keeps all of fewer than 3 updates)."""
+    if (min_cluster_size or n // 2 + 1) < n:
+        return None
+    if min_cluster_size is None:
+        return "", f"{defense} needs at least 3 updates to cluster, got n={n}: every update would be kept", n
+    return ("min_cluster_size", f"{defense} needs more than min_cluster_size={min_cluster_size} updates to remove any, "
+            f"got n={n}: its one cluster would keep every update", min_cluster_size)
+
 
 def cosine_distances(x: torch.Tensor) -> np.ndarray:
     """[n, n] float64 matrix 1 - cos(x_i, x_j), clamped to >= 0 with an exact zero diagonal."""

@@ -116,6 +116,14 @@ class FLDetectorParams(Params):
     window: int = Field(10, ge=1, le=100, description="N: L-BFGS pairs kept and rounds a suspicion score averages (paper and code: 10)")
     ban: bool = Field(True, description="keep removing a detected client in every later round (the paper removes detected clients)")
 
+    def round_problem(self, n: int):
+        """One score is never clustered; of two, the gap statistic always picks k = 2 (Gap(2) = 0 >
+        Gap(1)), so the higher-scored update is removed whatever it is."""
+        if n >= 3:
+            return None
+        outcome = "it would never detect" if n < 2 else "once its window is full it would remove the higher-scored one every round"
+        return "", f"fldetector needs at least 3 updates to cluster suspicion scores, got n={n}: {outcome}", n
+
 
 @DEFENSES.register("fldetector", FLDetectorParams)
 class FLDetector(Defense):

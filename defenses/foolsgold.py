@@ -41,6 +41,12 @@ class FoolsGoldParams(Params):
     layer: str | None = Field(None, description="layout tensor whose updates are compared; None = second-to-last (output-layer weight)")
     use_memory: bool = Field(True, description="compare the summed history of each client (True) or only this round's update (False)")
 
+    def round_problem(self, n: int):
+        """Two histories are each other's nearest: their equal scores normalise to weight 1 (or both 0)."""
+        if n < 3:
+            return "", f"foolsgold needs at least 3 updates to weigh clients apart, got n={n}: every update would get the same weight", n
+        return None
+
 
 def foolsgold_weights(x: torch.Tensor, kappa: float = 1.0) -> torch.Tensor:
     """FoolsGold weights [n] (float64) for the rows of `x` [n, k], as in DBA's `FoolsGold.foolsgold`."""

@@ -36,7 +36,7 @@ import torch
 from pydantic import Field
 
 from fedsim.defenses.base import Defense
-from fedsim.defenses.flame import cosine_distances, majority_cluster
+from fedsim.defenses.flame import cluster_problem, cosine_distances, majority_cluster
 from fedsim.models.layout import ModelLayout
 from fedsim.registry import DEFENSES, Params
 from fedsim.updates import RoundContext, UpdateBatch
@@ -51,6 +51,9 @@ class FreqFedParams(Params):
     layers: tuple[str, ...] | None = Field(None, min_length=1, description="layout tensors whose DCT is compared; None = every tensor of the model")
     min_cluster_size: int | None = Field(None, ge=2, description="HDBSCAN min_cluster_size; None means n//2 + 1")
     min_samples: int = Field(1, ge=1, description="HDBSCAN min_samples")
+
+    def round_problem(self, n: int):
+        return cluster_problem("freqfed", n, self.min_cluster_size)
 
 
 def low_frequency_mask(shape: tuple[int, ...], cutoff: float = 0.5) -> np.ndarray:

@@ -46,6 +46,12 @@ class RLRParams(Params):
                     "8 for 40; 0 = FedAvg)",
     )
 
+    def round_problem(self, n: int):
+        if self.threshold > n:  # |Σ_i sgn(Δ_i)| <= n < θ everywhere
+            return "threshold", f"rlr needs threshold θ <= n updates, got θ={self.threshold}, n={n}: every coordinate would be reversed", \
+                self.threshold
+        return None
+
 
 def sign_agreement(updates: torch.Tensor) -> torch.Tensor:
     """[d] int64 |Σ_i sgn(Δ_{i,k})| for the rows of `updates` [n, d], counted in column blocks

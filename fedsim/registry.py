@@ -28,10 +28,16 @@ class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     def round_problem(self, n: int) -> tuple[str, str, Any] | None:
-        """For an aggregator: why a round of `n` updates could not be aggregated with these
-        parameters, as (parameter, reason, value), or None. Checked against
-        `federation.clients_per_round` at validation, so no scenario validates whose every round
-        would be skipped. Rules with preconditions on n override it with the check they run."""
+        """Why a round of `n` updates could not be handled with these parameters, as (parameter,
+        reason, value), or None; parameter "" when the problem is `n` itself.
+
+        For an aggregator: the `n` updates could not be aggregated. For a defense: `n` is the number
+        of updates a round's defense sees (each step's batch in `RoundPipeline.run`), on which its
+        `before`/`after` would fail or be degenerate (a filter that can never remove anything, every
+        coordinate reversed, ...). Validation checks it against the updates a round yields (the
+        aggregator's against `federation.clients_per_round`), so that no scenario validates whose
+        every round would be skipped or left undefended. Components with preconditions on n
+        override it with the check they run."""
         return None
 
 
