@@ -119,6 +119,7 @@ class ProtocolTraits:
     individual_updates: bool = True  # the server sees each client's update (False: only secure sums)
     update_pipeline: bool = True  # its rounds end in an [n, d] batch for defenses and a rule (FedMA's: matching)
     cohort_training: bool = False  # its client step trains through local_update: a cohort may train together (fedsim/client/cohort.py)
+    opens_rounds: bool = False  # its exchange opens each round itself (`open_round(rnd)`: asynchronous server steps)
 
 
 @dataclass(frozen=True)

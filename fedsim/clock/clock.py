@@ -62,18 +62,27 @@ class FederationClock:
         """A boolean mask over all clients: checked in at round `rnd`'s start."""
         if self._mask is not None and self._mask[0] == rnd:
             return self._mask[1]
+        mask = self._available(self.start_of(rnd), (1 + rnd, 0))
+        self._mask = (rnd, mask)
+        return mask
+
+    def available_at(self, t: float, task: int) -> np.ndarray:
+        """Asynchronous protocols: who could start task number `task` at simulated time `t` (the
+        diurnal window at `t`; the `offline` draw is the task's own)."""
+        return self._available(t, (0, task, 0))
+
+    def _available(self, t: float, key: tuple[int, ...]) -> np.ndarray:
         avail = self.systems.availability
         mask = np.ones(self.num_clients, dtype=bool)
         if avail.diurnal is not None:
             d = avail.diurnal
-            hour_utc = (self.systems.start_hour + self.start_of(rnd) / 3600.0) % 24.0
+            hour_utc = (self.systems.start_hour + t / 3600.0) % 24.0
             local = (hour_utc + self.profiles.timezone) % 24.0
             mask &= ((local - d.start_hour) % 24.0) < d.hours
         if avail.offline > 0:
-            mask &= numpy_rng(self.seed, CLOCK, 1 + rnd, 0).random(self.num_clients) >= avail.offline
+            mask &= numpy_rng(self.seed, CLOCK, *key).random(self.num_clients) >= avail.offline
         if self.systems.attackers.always_on and len(self.attackers):
             mask[self.attackers] = True
-        self._mask = (rnd, mask)
         return mask
 
     def dropouts(self, rnd: int, selected: list[int]) -> list[int]:
@@ -85,14 +94,23 @@ class FederationClock:
         keep_on = set(self.attackers.tolist()) if self.systems.attackers.always_on else set()
         return [c for c in selected if draws[c] < p and c not in keep_on]
 
+    def drops_out(self, pid: int, task: int) -> bool:
+        """Asynchronous protocols: whether client `pid` disappears during task number `task`."""
+        p = self.systems.availability.dropout
+        return p > 0 and bool(numpy_rng(self.seed, CLOCK, 0, task, 1).random() < p)
+
     # --- what a client's part costs --------------------------------------------------------------
     def client_time(self, pid: int, bytes_down: int, samples: int, flops_per_sample: float, bytes_up: int,
-                    rnd: int | None = None) -> ClientTime:
+                    rnd: int | None = None, task: int | None = None) -> ClientTime:
         """Client `pid`'s download, compute and upload seconds; with `systems.jitter`, each scaled by
-        that client's factor for round `rnd`."""
+        that client's factor for round `rnd` (asynchronous protocols: for task number `task`)."""
         prof = self.profiles
         latency = float(prof.latency_s[pid])
-        slow = self.slowdown(rnd)[pid] if rnd is not None and self.systems.jitter > 0 else 1.0
+        slow = 1.0
+        if self.systems.jitter > 0 and task is not None:
+            slow = float(np.exp(self.systems.jitter * numpy_rng(self.seed, CLOCK, 0, task, 2).standard_normal()))
+        elif self.systems.jitter > 0 and rnd is not None:
+            slow = self.slowdown(rnd)[pid]
         return ClientTime(
             down=(bytes_down * 8.0 / float(prof.down_bps[pid]) + latency) * slow,
             compute=samples * flops_per_sample / (float(prof.gflops[pid]) * 1e9) * slow,

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from fedsim.clock.asynchrony import ASYNCHRONOUS, FedAsync, FedBuff, asynchronous_problems
 from fedsim.registry import PROTOCOLS, Params
 
 
@@ -94,6 +95,11 @@ class AttackerProfile(_Part):
     device: Literal["fastest", "drawn"] = Field("fastest", description="fastest: the fastest device and network "
                                                 "classes' medians; drawn: like every other client")
     always_on: bool = Field(True, description="never offline, outside no diurnal window, never drops out")
+    reporting: Literal["eager", "fresh_only", "buffer_timed"] = Field(
+        "eager", description="asynchronous protocols (fedasync, fedbuff): what an attacker does with a finished update. "
+        "eager: reports it and, in an attacker's slot, starts again at once (reports as often as its device allows); "
+        "fresh_only: drops it if the model moved while it trained, and starts again from the new model; "
+        "buffer_timed: fresh_only, and holds a fresh update until the attackers' updates complete one buffer together")
 
 
 class AdaComm(_Part):
@@ -158,7 +164,7 @@ class OverSelection(Params):
         return at
 
 
-RoundPolicy = Annotated[Union[WaitForAll, Deadline, OverSelection], Field(discriminator="name")]
+RoundPolicy = Annotated[Union[WaitForAll, Deadline, OverSelection, FedAsync, FedBuff], Field(discriminator="name")]
 
 
 def _policy_shorthand(value: Any) -> Any:
@@ -171,7 +177,8 @@ class SystemsSection(_Part):
     availability: Availability = Field(default_factory=Availability)
     attackers: AttackerProfile = Field(default_factory=AttackerProfile)
     round: Annotated[RoundPolicy, BeforeValidator(_policy_shorthand)] = Field(
-        default_factory=WaitForAll, description="the round's policy on the clock: wait_for_all, deadline, over_selection")
+        default_factory=WaitForAll, description="the round's policy on the clock: wait_for_all, deadline, over_selection, or "
+        "asynchronous: fedasync, fedbuff (fedsim/clock/asynchrony.py)")
     server_seconds: float | Literal["measured"] = Field(
         0.0, description="the server's time per round between the close and the next round: a modelled constant "
         "(seconds, reproducible), or `measured` (this machine's decode and aggregation seconds: not reproducible)")
@@ -217,6 +224,12 @@ def systems_problems(sc) -> list[tuple[str, str, Any]]:
         out.append(("systems.adacomm", "AdaComm sets each round's local steps itself; drop federation.local_steps",
                     sc.federation.local_steps))
     policy = systems.round
+    if isinstance(policy, ASYNCHRONOUS):
+        return out + asynchronous_problems(sc)
+    if systems.attackers.reporting != "eager":
+        out.append(("systems.attackers.reporting", f"{systems.attackers.reporting} times an attacker's reports "
+                    f"against an asynchronous server; systems.round={policy.name} waits for its cohort",
+                    systems.attackers.reporting))
     if isinstance(policy, OverSelection) and policy.selected(sc.federation.clients_per_round) > sc.federation.num_clients:
         out.append(("systems.round.factor", f"selects {policy.selected(sc.federation.clients_per_round)} clients a round, "
                     f"more than federation.num_clients={sc.federation.num_clients}", policy.factor))
@@ -227,3 +240,8 @@ for _policy in (WaitForAll, Deadline, OverSelection):
     PROTOCOLS.register(_policy.model_fields["name"].default, _policy, exchange="fedsim.server.clocked:ClockedExchange",
                        client_step="fedsim.client.steps:plain_train", chosen_by="systems.round",
                        scenario_check=systems_problems, cohort_training=True)(_policy)
+for _policy in ASYNCHRONOUS:
+    PROTOCOLS.register(_policy.model_fields["name"].default, _policy,
+                       exchange="fedsim.server.asynchronous:AsynchronousExchange",
+                       client_step="fedsim.client.steps:plain_train", chosen_by="systems.round",
+                       scenario_check=systems_problems, cohort_training=True, opens_rounds=True)(_policy)

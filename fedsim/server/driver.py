@@ -232,7 +232,7 @@ class RoundDriver:
             self.report = (pid, shared)
 
     # --- closing a round's aggregation -----------------------------------------------------------
-    def run_pipeline(self, batch: UpdateBatch, strikers: set, groups):
+    def run_pipeline(self, batch: UpdateBatch, strikers: set, groups, reference: torch.Tensor | None = None):
         """The round's pipeline (attack, defenses, rule) on `server.device`, timed into the pending
         round's record with its defenses' reports; the global model stays on CPU. Returns the batch as
         the pipeline saw it (on that device) and the outcome."""
@@ -242,18 +242,21 @@ class RoundDriver:
         ctx = RoundContext(rnd, self.global_vec.to(self.device), self.layout,
                            torch_generator(self.scenario.seed, SERVER, rnd), tools=self.tools)
         started = time.perf_counter()
-        outcome = self.pipeline.run(batch, strikers, ctx, groups)
+        outcome = self.pipeline.run(batch, strikers, ctx, groups, reference)
         self.pending.pipeline_seconds = time.perf_counter() - started
         self.pending.defenses = outcome.defenses
         return batch, outcome
 
-    def aggregate(self, batch: UpdateBatch, strikers: set[int], groups=None, audit: bool = True) -> bool:
+    def aggregate(self, batch: UpdateBatch, strikers: set[int], groups=None, audit: bool = True, scale: float = 1.0,
+                  reference: torch.Tensor | None = None) -> bool:
         """Run the pipeline on the round's batch and step the global model with its aggregate; what
         happened goes into the pending record. `audit`: the rows are clients' own updates (the
-        detection audit means something); under secure aggregation they are group sums.
+        detection audit means something); under secure aggregation they are group sums. `scale`
+        multiplies the aggregate before the server step (FedAsync's α·s(staleness)); `reference`
+        goes to the pipeline (the honest rows a server-side attack crafts from).
         Returns whether the round was aggregated (False: skipped, with the reason recorded)."""
         record = self.pending
-        batch, outcome = self.run_pipeline(batch, strikers, groups)
+        batch, outcome = self.run_pipeline(batch, strikers, groups, reference)
         if outcome.attack is not None:  # the attackers' norms are those of the updates the attack crafted
             crafted = outcome.attack.pop("norms")
             record.attacker_update_norms = {**record.attacker_update_norms, **crafted}
@@ -268,7 +271,8 @@ class RoundDriver:
             return False
         if audit:
             record.aggregated = outcome.aggregated
-        self.global_vec = self.server_opt.step(self.global_vec, outcome.aggregate.cpu(), record.round)
+        aggregate = outcome.aggregate.cpu() if scale == 1.0 else scale * outcome.aggregate.cpu()
+        self.global_vec = self.server_opt.step(self.global_vec, aggregate, record.round)
         record.global_norm = float(torch.linalg.vector_norm(self.global_vec))
         switch = self.model.after_round(record.round)
         if switch is not None:  # the model was factorized: last round's aggregate no longer fits it

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -82,9 +83,12 @@ class PlainExchange:
         driver.timing[plan.round] = {"encode": self.sent_at - driver.started}
         return [msg for msg, _ in sent]
 
-    def aggregate(self, replies: list[Message], excused: frozenset = frozenset(), sizes: dict | None = None) -> int | None:
+    def aggregate(self, replies: list[Message], excused: frozenset = frozenset(), sizes: dict | None = None,
+                  reshape: Callable[[UpdateBatch], tuple[UpdateBatch, dict]] | None = None) -> int | None:
         """`excused`: sampled clients whose missing reply is no failure (a clock's stragglers and dropouts);
-        `sizes`: replies' serialized sizes by client, where a wrapping exchange has measured them already."""
+        `sizes`: replies' serialized sizes by client, where a wrapping exchange has measured them already;
+        `reshape`: what a wrapping exchange makes of the decoded batch before the pipeline (asynchronous
+        protocols: staleness-scaled rows), with the driver's `aggregate` options (scale, reference)."""
         driver, record = self.driver, self.driver.pending
         t_start = time.perf_counter()
         timing = driver.timing.setdefault(record.round, {})
@@ -103,12 +107,15 @@ class PlainExchange:
             torch.tensor([w for _, _, w in rows], dtype=torch.float32),
             tuple(pid for pid, _, _ in rows),
         )
+        options = {}
+        if reshape is not None:
+            batch, options = reshape(batch)
         record.attacker_update_norms, record.honest_update_norm_median = update_norms(batch, set(record.attackers))
         if len(rows) < fed.min_replies:
             record.skipped = f"{len(rows)} valid updates, fewer than federation.min_replies={fed.min_replies}"
             log.warning("round %s skipped: %s", record.round, record.skipped)
             return None
-        if not driver.aggregate(batch, set(record.attackers), record.groups or None):
+        if not driver.aggregate(batch, set(record.attackers), record.groups or None, **options):
             log.warning("round %s skipped: %s", record.round, record.skipped)
             return None
         timing["aggregate"] = time.perf_counter() - t_start - timing["decode"]

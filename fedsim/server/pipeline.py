@@ -96,15 +96,17 @@ class RoundPipeline:
         return self.entry.traits.needs_groups
 
     def run(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
-            groups: list[list[int]] | None = None) -> RoundOutcome:
-        """Aggregate one round; a rule or defense that cannot (AggregationError) skips the round with its reason."""
+            groups: list[list[int]] | None = None, reference: torch.Tensor | None = None) -> RoundOutcome:
+        """Aggregate one round; a rule or defense that cannot (AggregationError) skips the round with its reason.
+        `reference`: the honest rows a server-side attack crafts from, where not the batch's own
+        (asynchronous protocols: the honest updates the server received most recently)."""
         out = RoundOutcome()
         buffers = None  # BatchNorm statistics: averaged aside, never seen by attack, defenses or rule
         if ctx.layout is not None and ctx.layout.has_buffers:
             batch, ctx, buffers = BufferRows.split(batch, ctx)
         previous = self.previous_aggregate  # on the batch's device (a checkpoint's is on CPU)
         ctx = replace(ctx, previous_aggregate=None if previous is None else previous.to(batch.updates.device))
-        batch = self.server_attack(batch, strikers, ctx, out, groups)
+        batch = self.server_attack(batch, strikers, ctx, out, groups, reference)
         try:
             for name, defense in self.defenses:
                 batch, info = defense.before(batch, ctx)
@@ -129,7 +131,8 @@ class RoundPipeline:
         return out
 
     def server_attack(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
-                      out: RoundOutcome | None = None, groups: list[list[int]] | None = None) -> UpdateBatch:
+                      out: RoundOutcome | None = None, groups: list[list[int]] | None = None,
+                      reference: torch.Tensor | None = None) -> UpdateBatch:
         """The striking attackers' rows replaced by what a server-side (Byzantine) attack crafts from the
         honest rows; `out.attack` gets what the attack chose and the crafted updates' norms, by client id.
         An attack declared `with_rule=True` may run this round's rule (same clients, weights and groups)
@@ -137,7 +140,7 @@ class RoundPipeline:
         if self.attack is None or not strikers:
             return batch
         bad = torch.tensor([pid in strikers for pid in batch.client_ids])
-        if bad.all() or not bad.any():
+        if not bad.any() or (bad.all() and (reference is None or len(reference) == 0)):
             return batch
         updates = batch.updates.clone()
         kwargs = {}
@@ -153,7 +156,8 @@ class RoundPipeline:
                 finally:
                     ctx.generator.set_state(seeded)
             kwargs["rule"] = rule
-        made = self.attack.craft(batch.updates[~bad], int(bad.sum()), ctx, **kwargs)
+        honest = batch.updates[~bad] if reference is None else reference.to(batch.updates.device)
+        made = self.attack.craft(honest, int(bad.sum()), ctx, **kwargs)
         updates[bad] = made.rows
         if out is not None:
             norms = torch.linalg.vector_norm(updates[bad], dim=1).tolist()

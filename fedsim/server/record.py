@@ -16,7 +16,10 @@ Which fields a line has:
 - with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
   DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields; under secure aggregation `secure_aggregation` and `secure_aggregation_seconds`;
 - on the federation clock (`systems:`, docs/clock.md), on trained rounds: `sim_start`, `sim_seconds`, `sim_time`,
-  `unavailable` (and `unavailable_clients` up to 1,000 registered clients), `dropped_out`, `stragglers`, `client_seconds`, and with AdaComm `local_steps` and `start_loss`.
+  `unavailable` (and `unavailable_clients` up to 1,000 registered clients), `dropped_out`, `stragglers`, `client_seconds`, and with AdaComm `local_steps` and `start_loss`;
+  under an asynchronous protocol (fedasync, fedbuff) a line is a server step: `sampled` is its buffer's clients, and
+  `staleness`, `trained_from`, `arrived`, `started`, `discarded`, `in_flight` join `sim_start`, `sim_seconds`,
+  `sim_time`, `dropped_out`, `stragglers` (clients given up at the timeout) and `client_seconds`.
   They are simulated, not measured: reproducible, so not among TIME_FIELDS.
 """
 
@@ -66,6 +69,13 @@ class RoundRecord:
     stragglers: list[int] | _Unset = UNSET  # with `systems:`: clients still working when the round closed (discarded,
     #   not a failure: absent from `rejected`, their uploads not counted in bytes_up)
     client_seconds: dict | _Unset = UNSET  # with `systems:`: client -> [download, compute, upload] simulated seconds
+    staleness: dict | _Unset = UNSET  # asynchronous protocols: client -> server steps applied since its update's task
+    #   started (the buffer's clients are `sampled`, in partition-id order)
+    trained_from: dict | _Unset = UNSET  # asynchronous protocols: client -> the model version (server step) it trained from
+    arrived: dict | _Unset = UNSET  # asynchronous protocols: client -> simulated time its update entered the buffer
+    started: list[int] | _Unset = UNSET  # asynchronous protocols: clients that started training during this step
+    discarded: list[int] | _Unset = UNSET  # asynchronous protocols: attackers that dropped a stale update (not sent)
+    in_flight: int | _Unset = UNSET  # asynchronous protocols: clients training when the step closed
     local_steps: int | _Unset = UNSET  # with systems.adacomm: this round's local period τ
     start_loss: float | None | _Unset = UNSET  # with systems.adacomm: the clients' mean loss at the round's global model
     #   (each one's first batch): AdaComm's F

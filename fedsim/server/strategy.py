@@ -53,7 +53,8 @@ class ScenarioStrategy(Strategy):
         return pack_model(self.driver.global_vec, self.driver.layout)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        plan = self.driver.open_round(server_round + self.driver.offset)
+        rnd = server_round + self.driver.offset
+        plan = self.exchange.open_round(rnd) if self.protocol.traits.opens_rounds else self.driver.open_round(rnd)
         return self.exchange.configure(plan, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
