@@ -142,6 +142,26 @@ def test_scenario_runs_on_superlink_with_three_supernodes(cluster):
     assert strip(in_process_rounds(cluster.tmp, SCENARIO + ["federation.round_timeout=300"])) == strip(rounds)
 
 
+def test_fedbuff_runs_on_a_real_superlink_as_replies_come(cluster):
+    """An asynchronous round on real SuperNodes: the server keeps `concurrency` messages in flight
+    (Grid.push_messages) and steps the model every K replies as they are pulled (fedsim/server/live.py)."""
+    cluster.superlink()
+    for i in range(3):
+        cluster.supernode(i, 3)
+    run = cluster.run(SCENARIO[:2] + ["federation.rounds=4", "federation.round_timeout=300", "attack.attacker_ids=[0]",
+                                      "attack.schedule={name: every_round}",
+                                      "systems.round={name: fedbuff, buffer_size: 2}"])
+    summary = wait_summary(cluster, 600, run)
+    rounds = read_rounds(cluster.run_dir())
+    assert summary["rounds_completed"] == 4 and [r["round"] for r in rounds] == [1, 2, 3, 4]
+    for r in rounds:  # a buffer of K = 2 a step, each update's model version and staleness recorded
+        assert len(r["sampled"]) == 2 and not r["rejected"] and r["skipped"] is None
+        assert all(r["staleness"][str(p)] == r["round"] - 1 - r["trained_from"][str(p)] for p in r["sampled"])
+        assert "sim_time" not in r  # the real clock: `arrived` is the server's seconds since the start
+        assert all(t > 0 for t in r["arrived"].values())
+    assert any(r["attackers"] == [0] for r in rounds)  # the attacker's slot: always in flight
+
+
 def test_process_isolation_with_forking_executor_gives_the_same_metrics(cluster):
     """`fedsim deploy supernode --isolation process`: each SuperNode with fedsim's forking executor beside it.
 

@@ -8,8 +8,8 @@ rounds.jsonl; `federation.rounds` counts server steps. The order of arrivals is 
 clock's (fedsim/clock/events.py), never this machine's.
 
 Staleness: an update trained from version τ that reaches the server at version t has staleness
-t − τ. The weight functions s(t − τ) are FedAsync's (its §5.2; the same in APPFL's and FLSim's
-implementations):
+t − τ. The weight functions s(t − τ) are FedAsync's (its §5.2; APPFL's FedAsync server computes
+α_t = α·s(t − τ) the same way, Plato's its polynomial as (staleness + 1)^(−a)):
     constant    s = 1
     polynomial  s = (t − τ + 1)^(−a)
     hinge       s = 1 if t − τ ≤ b, else 1 / (a · (t − τ − b) + 1)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flwr.app import Context
 
+from fedsim.clock.asynchrony import ASYNCHRONOUS
 from fedsim.deploy.commands import flower_app_config, source_app_dir
 from fedsim.scenario import ScenarioError, load_scenario
 
@@ -69,12 +70,24 @@ def deployable(scenario, source: str):
     The federation clock (`systems:`) simulates devices, networks and time; on real devices the
     clock is the real one, so the section is refused rather than half applied (its deadline and
     over-selection would have to be Flower's own round timeout and sampling: use
-    federation.round_timeout for a reporting deadline there)."""
-    if scenario.systems is not None:
-        raise ScenarioError(source, [("systems", "simulates devices, networks and a clock; a deployment runs on real "
-                                      "devices and the real clock: drop the section (federation.round_timeout is the "
-                                      "reporting deadline there)", "systems")])
-    return scenario
+    federation.round_timeout for a reporting deadline there). One use of it runs on real devices:
+    `systems.round` choosing an asynchronous protocol (fedasync, fedbuff), with nothing else in the
+    section; its steps then follow the replies as they really come (fedsim/server/live.py)."""
+    systems = scenario.systems
+    if systems is None:
+        return scenario
+    if isinstance(systems.round, ASYNCHRONOUS):
+        simulated = sorted(systems.model_fields_set - {"round"})
+        if simulated:
+            raise ScenarioError(source, [(f"systems.{simulated[0]}", "simulates devices, networks or time; a "
+                                          f"deployment runs on real devices and the real clock, where systems: may only "
+                                          f"choose an asynchronous round (systems.round={systems.round.name}): drop "
+                                          f"{', '.join('systems.' + f for f in simulated)}", simulated[0])])
+        return scenario
+    raise ScenarioError(source, [("systems", "simulates devices, networks and a clock; a deployment runs on real "
+                                  "devices and the real clock: drop the section (federation.round_timeout is the "
+                                  "reporting deadline there), or keep only an asynchronous systems.round "
+                                  "(fedasync, fedbuff)", "systems")])
 
 
 def scenario_from_context(context: Context):

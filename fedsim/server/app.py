@@ -25,19 +25,20 @@ log = logging.getLogger("fedsim")
 NodeMap = Callable[[Grid, float], "dict[int, int] | None"]  # (grid, timeout) -> {partition id: node id}, or None
 
 
-def run_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None, checkpoints: bool = False) -> dict:
+def run_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None, checkpoints: bool = False,
+               real_clock: bool = False) -> dict:
     """Drive all rounds on `grid`; returns the summary (also written to `run_dir/summary.json`).
 
     `run_dir` is the run's folder, made by the caller (fedsim/runs/folder.py). With `checkpoints`,
     the server's state is saved every round under its `checkpoint/`, and a run folder that already
     holds completed rounds is resumed after the last of them.
     """
-    return drive_server(grid, scenario, run_dir, progress, checkpoints)()
+    return drive_server(grid, scenario, run_dir, progress, checkpoints, real_clock=real_clock)()
 
 
 def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None, checkpoints: bool = False,
                  defer_last_evaluation: bool = False, options: EngineOptions = EngineOptions(),
-                 node_map: NodeMap | None = None) -> Callable[[], dict]:
+                 node_map: NodeMap | None = None, real_clock: bool = False) -> Callable[[], dict]:
     """Run the rounds of `run_server`; returns the call that completes the run (waits for the last
     round's line, writes and returns the summary).
 
@@ -45,7 +46,8 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
     is aggregated and its evaluation runs in the background: the simulation engine then stops its
     client actors and Ray (about 2 s) while the global model is evaluated, instead of after.
     `node_map(grid, timeout)` gives the simulation engine's {partition id: node id} (see
-    fedsim/server/nodes.py); `options` are the engine's (fedsim/flower/options.py).
+    fedsim/server/nodes.py); `options` are the engine's (fedsim/flower/options.py). `real_clock`: a
+    deployment, where a `systems:` section's asynchronous round runs on the real clock.
     """
     trackers = Trackers.of(scenario, run_dir)  # a sink whose library is missing fails here, before any round
     rt = runtime_for(scenario)
@@ -59,7 +61,8 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
             progress(record)
 
     strategy = ScenarioStrategy(rt, on_round=on_round, checkpoint_to=run_dir if checkpoints else None,
-                                        options=options, node_map=node_map, defer_last_round=defer_last_evaluation)
+                                        options=options, node_map=node_map, defer_last_round=defer_last_evaluation,
+                                        real_clock=real_clock)
     done = prepare_resume(run_dir, strategy) if checkpoints else 0
     if done < fed.rounds:
         strategy.discover_nodes(grid, timeout=fed.round_timeout)
@@ -208,7 +211,7 @@ def make_server_app(scenario=None, run_dir: Path | RunFolder | None = None, prog
             grid = StoppableGrid(grid, stop, options.reply_poll_seconds)
         try:
             if on_rounds_done is None:
-                summary = run_server(grid, scen, folder, report, checkpoints)
+                summary = run_server(grid, scen, folder, report, checkpoints, real_clock=scenario is None)
                 if summary.get("failure"):  # under `flwr run`: the run ends as failed (fedsim's simulation: the CLI's exit code)
                     raise RuntimeError(f"{summary['failure']} (results in {folder.path})")
             else:

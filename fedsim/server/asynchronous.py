@@ -11,11 +11,16 @@ model:
   α·s(staleness) before the server step, so plain FedAvg gives x_t = (1 − α_t)·x_{t−1} + α_t·x_new.
 Defenses and the rule see the buffer's rows as they are scaled. A server-side (omniscient) attack
 crafts from the honest rows the server received most recently (the last `concurrency` of them,
-scaled alike): under FedAsync a buffer holds one row, so there would be none to craft from.
+scaled alike, each client's latest): under FedAsync a buffer holds one row, so there would be none
+to craft from; until enough have arrived an attack may be unable to craft (the step's `attack`
+says why, and the attackers' own rows go on).
 
 A client-side attacker assumes the model-replacement boost of its protocol: the round total it
 is told is K times its own examples under FedBuff (the equal-weight mean of K), its own examples
 over α under FedAsync (one update mixed in with weight α).
+
+In a deployment there is no simulated clock: the same steps run on the real one, with messages
+pushed and replies pulled as they come (fedsim/server/live.py).
 
 Not checkpointed mid-flight: a run of an asynchronous protocol cannot be resumed (refused with
 the reason); every completed step's line is written as it closes.
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +43,7 @@ from fedsim.clock.events import AsyncFederation, Step, Task
 from fedsim.compression.base import PayloadError
 from fedsim.server.driver import RoundDriver, RoundPlan
 from fedsim.server.exchange import PlainExchange, ReplyOwners
+from fedsim.server.live import LiveArrivals
 from fedsim.server.record import RoundRecord
 from fedsim.updates import UpdateBatch
 from fedsim.wire import message_bytes, pack_model, records_bytes, trained_samples
@@ -57,12 +63,16 @@ class AsynchronousExchange:
         self.scenario, self.rt, self.clock = driver.scenario, driver.rt, driver.clock
         self.policy = self.scenario.systems.round
         self.plain = PlainExchange(driver, node_of)  # decodes the buffer and hands it to the driver
-        self.federation = AsyncFederation(self.policy, self.scenario.federation, self.clock, self.rt.attackers,
-                                          self.scenario.attack, self.scenario.seed, self.prepare)
+        if self.clock is None:  # a deployment: the real clock, replies in the order they come (fedsim/server/live.py)
+            self.federation = LiveArrivals(self.policy, self.scenario.federation, self.rt.attackers,
+                                           self.scenario.attack, self.scenario.seed, self.prepare)
+        else:
+            self.federation = AsyncFederation(self.policy, self.scenario.federation, self.clock, self.rt.attackers,
+                                              self.scenario.attack, self.scenario.seed, self.prepare)
         self.versions: dict[int, Version] = {}
         self.model_bytes: int | None = None  # every version's serialized size (the layout never changes)
         self._flops: float | None = None
-        self.recent = deque(maxlen=self.policy.in_flight(self.scenario.federation))  # honest rows, as the rule saw them
+        self.recent: OrderedDict[int, torch.Tensor] = OrderedDict()  # client -> its latest honest row, as the rule saw it
         self.step: Step | None = None
         self.grid: Grid | None = None
         self._last_attack: int | None = None
@@ -88,8 +98,11 @@ class AsynchronousExchange:
         self.grid = grid
         driver = self.driver
         driver.timing[plan.round] = {"encode": time.perf_counter() - driver.started}
-        server = self.scenario.systems.server_seconds
-        self.step = self.federation.step(self.train, 0.0 if server == "measured" else server)
+        if self.clock is None:
+            self.step = self.federation.step(grid, self.message)
+        else:
+            server = self.scenario.systems.server_seconds
+            self.step = self.federation.step(self.train, 0.0 if server == "measured" else server)
         self.plain.sent_at = time.perf_counter()
         return []
 
@@ -100,6 +113,8 @@ class AsynchronousExchange:
         task.reply = None
         bytes_down = self.model_bytes + records_bytes({"config": ConfigRecord(self.config(task))})
         task.bytes_down = bytes_down
+        if self.clock is None:
+            return
         least = self.fewest_samples(task)
         task.bound = task.start + self.clock.client_time(task.pid, bytes_down, least, self.flops(), 0, task=task.number).total
 
@@ -126,16 +141,17 @@ class AsynchronousExchange:
                                            else own * self.policy.buffer_size)
         return cfg
 
+    def message(self, task: Task) -> Message:
+        """The task's training message: its version's model and its config."""
+        version = self.versions[task.version]
+        if version.record is None:
+            version.record = pack_model(version.vec, self.driver.layout)
+        return Message(RecordDict({"arrays": version.record, "config": ConfigRecord(self.config(task))}),
+                       dst_node_id=self.node_of[task.pid], message_type=MessageType.TRAIN)
+
     def train(self, tasks: list[Task]) -> None:
         """One wave: each task's message (its version's model) out, its reply in, its finish time set."""
-        sent = []
-        for task in tasks:
-            version = self.versions[task.version]
-            if version.record is None:
-                version.record = pack_model(version.vec, self.driver.layout)
-            msg = Message(RecordDict({"arrays": version.record, "config": ConfigRecord(self.config(task))}),
-                          dst_node_id=self.node_of[task.pid], message_type=MessageType.TRAIN)
-            sent.append((msg, task))
+        sent = [(self.message(task), task) for task in tasks]
         owner = ReplyOwners([(m, t.number) for m, t in sent])
         timeout = self.scenario.federation.round_timeout
         replies = list(self.grid.send_and_receive([m for m, _ in sent], timeout=timeout))
@@ -172,17 +188,18 @@ class AsynchronousExchange:
             down[task.pid] = down.get(task.pid, 0) + task.bytes_down
         record.bytes_down, record.bytes_down_per_client = sum(down.values()), dict(sorted(down.items()))
         record.update({
-            "sim_start": step.start, "sim_time": step.time, "sim_seconds": self.federation.now - step.start,
             "staleness": {p: by_pid[p].staleness for p in record.sampled},
             "trained_from": {p: by_pid[p].task.version for p in record.sampled},
             "arrived": {p: round(by_pid[p].time, 6) for p in record.sampled},
-            "client_seconds": {p: [round(s, 6) for s in by_pid[p].task.times] for p in record.sampled},
             "started": sorted(t.pid for t in step.started),
             "discarded": sorted(t.pid for t in step.discarded),
             "dropped_out": sorted(t.pid for t in step.given_up if t.dropped and not t.failure),
             "stragglers": sorted(t.pid for t in step.given_up if not t.dropped),
             "in_flight": self.federation.in_flight(),
         })
+        if self.clock is not None:  # simulated times (live: `arrived` is this server's clock, wall_seconds the rest)
+            record.update({"sim_start": step.start, "sim_time": step.time, "sim_seconds": self.federation.now - step.start,
+                           "client_seconds": {p: [round(s, 6) for s in by_pid[p].task.times] for p in record.sampled}})
         if self.scenario.attack is not None:
             if record.attackers:
                 self._last_attack = rnd
@@ -198,7 +215,7 @@ class AsynchronousExchange:
         if failures:
             record.rejected = {**failures, **record.rejected}
         server = self.scenario.systems.server_seconds
-        if server == "measured":  # this machine's decode and aggregation (not reproducible: docs/clock.md)
+        if server == "measured" and self.clock is not None:  # this machine's decode and aggregation (not reproducible: docs/clock.md)
             self.federation.now += time.perf_counter() - self.plain.sent_at
             record.sim_seconds = self.federation.now - step.start
         return result
@@ -217,9 +234,15 @@ class AsynchronousExchange:
             s = torch.tensor([self.policy.staleness.weight(record.staleness[p]) for p in batch.client_ids],
                              dtype=rows.dtype)
             rows = rows * s[:, None]
-        attackers = set(record.attackers)
-        self.recent.extend(row for pid, row in zip(batch.client_ids, rows) if pid not in attackers)
+        attackers, keep = set(record.attackers), self.policy.in_flight(self.scenario.federation)
+        for pid, row in zip(batch.client_ids, rows):
+            if pid not in attackers:
+                self.recent.pop(pid, None)
+                self.recent[pid] = row
+        while len(self.recent) > keep:
+            self.recent.popitem(last=False)
         pipeline = self.driver.pipeline
         if pipeline is not None and pipeline.attack is not None and self.recent:
-            options["reference"] = torch.stack(list(self.recent))
+            ids = tuple(self.recent)
+            options["reference"] = UpdateBatch(torch.stack([self.recent[p] for p in ids]), torch.ones(len(ids)), ids)
         return UpdateBatch(rows, torch.ones(len(batch.client_ids)), batch.client_ids), options

@@ -85,7 +85,8 @@ class RoundDriver:
     """Sampling, schedules, groups, message order, the DP ledger, the global model and its server
     step, checkpoints and resume: the parts of a round every protocol shares."""
 
-    def __init__(self, runtime, checkpoint_to=None, largest_first: bool = True, update_pipeline: bool = True) -> None:
+    def __init__(self, runtime, checkpoint_to=None, largest_first: bool = True, update_pipeline: bool = True,
+                 real_clock: bool = False) -> None:
         self.rt, self.scenario = runtime, runtime.scenario
         if self.scenario.deterministic:  # process-wide, before the server's first CUDA use (docs/gpu.md)
             deterministic_switches_on()
@@ -112,8 +113,9 @@ class RoundDriver:
         self._counted_round = 0  # the ledger holds rounds 1.._counted_round
         self.last_start_loss: float | None = None  # the last round's mean loss at its global model (AdaComm's F)
         systems = self.scenario.systems  # the federation clock (fedsim/clock/): devices, networks, availability
+        # (none on the real clock of a deployment, where `systems:` may only choose an asynchronous round)
         self.clock = FederationClock(systems, self.scenario.federation.num_clients, runtime.attackers,
-                                     self.scenario.seed) if systems is not None else None
+                                     self.scenario.seed) if systems is not None and not real_clock else None
 
     # --- the global model ------------------------------------------------------------------------
     @property
@@ -232,7 +234,7 @@ class RoundDriver:
             self.report = (pid, shared)
 
     # --- closing a round's aggregation -----------------------------------------------------------
-    def run_pipeline(self, batch: UpdateBatch, strikers: set, groups, reference: torch.Tensor | None = None):
+    def run_pipeline(self, batch: UpdateBatch, strikers: set, groups, reference: UpdateBatch | None = None):
         """The round's pipeline (attack, defenses, rule) on `server.device`, timed into the pending
         round's record with its defenses' reports; the global model stays on CPU. Returns the batch as
         the pipeline saw it (on that device) and the outcome."""
@@ -248,7 +250,7 @@ class RoundDriver:
         return batch, outcome
 
     def aggregate(self, batch: UpdateBatch, strikers: set[int], groups=None, audit: bool = True, scale: float = 1.0,
-                  reference: torch.Tensor | None = None) -> bool:
+                  reference: UpdateBatch | None = None) -> bool:
         """Run the pipeline on the round's batch and step the global model with its aggregate; what
         happened goes into the pending record. `audit`: the rows are clients' own updates (the
         detection audit means something); under secure aggregation they are group sums. `scale`

@@ -96,7 +96,7 @@ class RoundPipeline:
         return self.entry.traits.needs_groups
 
     def run(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
-            groups: list[list[int]] | None = None, reference: torch.Tensor | None = None) -> RoundOutcome:
+            groups: list[list[int]] | None = None, reference: UpdateBatch | None = None) -> RoundOutcome:
         """Aggregate one round; a rule or defense that cannot (AggregationError) skips the round with its reason.
         `reference`: the honest rows a server-side attack crafts from, where not the batch's own
         (asynchronous protocols: the honest updates the server received most recently)."""
@@ -132,20 +132,26 @@ class RoundPipeline:
 
     def server_attack(self, batch: UpdateBatch, strikers: set[int], ctx: RoundContext,
                       out: RoundOutcome | None = None, groups: list[list[int]] | None = None,
-                      reference: torch.Tensor | None = None) -> UpdateBatch:
+                      reference: UpdateBatch | None = None) -> UpdateBatch:
         """The striking attackers' rows replaced by what a server-side (Byzantine) attack crafts from the
         honest rows; `out.attack` gets what the attack chose and the crafted updates' norms, by client id.
         An attack declared `with_rule=True` may run this round's rule (same clients, weights and groups)
-        on candidate malicious rows to tune itself."""
+        on candidate malicious rows to tune itself. With a `reference` (the honest updates an
+        asynchronous server received most recently) the attack crafts from those; if it cannot
+        (too few of them yet), the attackers' own rows stay and `out.attack` says why."""
         if self.attack is None or not strikers:
             return batch
         bad = torch.tensor([pid in strikers for pid in batch.client_ids])
-        if not bad.any() or (bad.all() and (reference is None or len(reference) == 0)):
+        if not bad.any() or (bad.all() and (reference is None or len(reference.client_ids) == 0)):
             return batch
         updates = batch.updates.clone()
         kwargs = {}
+        if reference is None:
+            honest, honest_ids = batch.updates[~bad], tuple(p for p, b in zip(batch.client_ids, bad.tolist()) if not b)
+        else:
+            honest, honest_ids = reference.updates.to(batch.updates.device), reference.client_ids
         if self.attack_takes_ids:  # an attack that follows clients across rounds (mimic)
-            kwargs["honest_ids"] = tuple(pid for pid, b in zip(batch.client_ids, bad.tolist()) if not b)
+            kwargs["honest_ids"] = honest_ids
         if self.attack_takes_rule:
             def rule(malicious: torch.Tensor) -> torch.Tensor:
                 trial = updates.clone()
@@ -156,8 +162,15 @@ class RoundPipeline:
                 finally:
                     ctx.generator.set_state(seeded)
             kwargs["rule"] = rule
-        honest = batch.updates[~bad] if reference is None else reference.to(batch.updates.device)
-        made = self.attack.craft(honest, int(bad.sum()), ctx, **kwargs)
+        try:
+            made = self.attack.craft(honest, int(bad.sum()), ctx, **kwargs)
+        except ValueError as err:
+            if reference is None:
+                raise
+            log.warning("round %s: the server-side attack could not craft: %s", ctx.round, err)
+            if out is not None:
+                out.attack = {"failed": str(err), "norms": {}}
+            return batch
         updates[bad] = made.rows
         if out is not None:
             norms = torch.linalg.vector_norm(updates[bad], dim=1).tolist()
