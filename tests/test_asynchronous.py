@@ -256,16 +256,28 @@ def test_buffer_of_k_runs_rules_that_need_several_updates():
         scenario({"name": "fedbuff", "buffer_size": 5}, aggregator={"name": "bulyan", "num_malicious": 1})
 
 
-def test_resume_is_refused(tmp_path):
-    from fedsim.server.driver import RoundDriver
-    from fedsim.server.asynchronous import AsynchronousExchange
+def test_resume_is_refused_where_it_cannot_be_exact(tmp_path):
+    from fedsim.runs.folder import RunFolder
     from fedsim.runtime import runtime_for
+    from fedsim.server.asynchronous import AsynchronousExchange
+    from fedsim.server.driver import RoundDriver
 
     sc = scenario({"name": "fedbuff", "buffer_size": 2})
-    driver = RoundDriver(runtime_for(sc))
+    folder = RunFolder.create(sc, tmp_path)
+    driver = RoundDriver(runtime_for(sc), checkpoint_to=folder)
     driver.offset = 3
-    with pytest.raises(RuntimeError, match="cannot be resumed"):
+    with pytest.raises(RuntimeError, match="no asynchronous state"):
         AsynchronousExchange(driver, {}).open_round(4)
+    exchange = AsynchronousExchange(driver, {})
+    driver.resumed_protocol = exchange.state_dict()
+    folder.client_states.mkdir(parents=True, exist_ok=True)
+    (folder.client_states / "0-r3.npz").write_bytes(b"")  # a client that keeps memory between tasks
+    with pytest.raises(RuntimeError, match="client memory cannot be resumed"):
+        exchange.open_round(4)
+    live = RoundDriver(runtime_for(sc), real_clock=True)
+    live.offset = 3
+    with pytest.raises(RuntimeError, match="real SuperLink cannot be resumed"):
+        AsynchronousExchange(live, {}).open_round(4)
 
 
 # --- every client-side attack under both protocols ---------------------------------------------------

@@ -35,9 +35,12 @@ def run(scenario, run_dir, kill_after=None):
 
 CLOCK = ("systems={round: {name: over_selection, factor: 1.4}, availability: {offline: 0.2, dropout: 0.2}, "
          "adacomm: {tau0: 4, interval: 0.05}}")  # the clock's time, starts and AdaComm's state resume too
+# asynchronous: the clients in flight and waiting, their model versions, the recent honest rows resume too
+FEDBUFF = "systems={round: {name: fedbuff, buffer_size: 3}, jitter: 0.3, availability: {offline: 0.2, dropout: 0.2}}"
+FEDASYNC = "systems={round: {name: fedasync, alpha: 0.5}, jitter: 0.3}"
 
 
-@pytest.mark.parametrize("extra", [[], ["evaluation.initial=true"], [CLOCK]])
+@pytest.mark.parametrize("extra", [[], ["evaluation.initial=true"], [CLOCK], [FEDBUFF], [FEDASYNC, "defenses=[norm_clipping]"]])
 def test_resumed_run_matches_uninterrupted(tmp_path, extra):
     scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES + extra)
     full_dir = RunFolder.create(scenario, tmp_path / "full").path

@@ -57,6 +57,17 @@ class Task:
     times: list[float] | None = None  # [download, compute, upload] simulated seconds, once it has trained
     failure: str | None = None  # why it never answered (an engine failure, not a dropout)
 
+    STATE = ("number", "pid", "version", "start", "slot", "attacker", "dropped", "bound", "finish", "holding",
+             "bytes_down", "times", "failure")
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of it (its reply is not kept: a resumed run trains it again)."""
+        return {k: getattr(self, k) for k in self.STATE}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Task":
+        return cls(**{k: state[k] for k in cls.STATE})
+
     def event_time(self, timeout: float) -> float | None:
         """When the server hears of it (its arrival, or giving up on it); None while untrained."""
         deadline = self.start + timeout
@@ -88,6 +99,36 @@ class Step:
     waves: int = 0  # rounds of messages it took
 
 
+class AttackerSlots:
+    """Which slots are the attackers' and which attacker takes a freed one (module docstring)."""
+
+    def __init__(self, attackers: list[int], attack) -> None:
+        self.attackers = sorted(attackers)
+        self.schedule = attack.schedule if attack is not None else None
+        self.pooled = self.schedule is None or self.schedule.name == "fixed_pool"  # sampled like everyone
+        self.count = 0 if self.pooled else min(self.schedule.attackers_per_round, len(self.attackers))
+        self._next = 0
+
+    def state_dict(self) -> dict:
+        return {"next": self._next}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._next = int(state["next"])
+
+    def take(self, slot: int, version: int, busy: set[int]) -> int | None:
+        """The attacker that starts in `slot` from `version` (round robin over those not busy), or
+        None: not an attacker's slot, a step the schedule does not attack, or every attacker busy."""
+        if slot >= self.count or not self.schedule.is_attack_round(version + 1):
+            return None
+        n = len(self.attackers)
+        for i in range(n):
+            candidate = self.attackers[(self._next + i) % n]
+            if candidate not in busy:
+                self._next = (self._next + i + 1) % n
+                return candidate
+        return None
+
+
 class AsyncFederation:
     """The slots, the held updates and the model version of an asynchronous run."""
 
@@ -96,22 +137,17 @@ class AsyncFederation:
         self.k, self.c, self.timeout = policy.buffer_size, policy.in_flight(federation), policy.timeout
         self.clock, self.seed, self.prepare = clock, seed, prepare
         self.num_clients = federation.num_clients
-        self.attackers = sorted(attackers)
-        self.attacker_set = set(self.attackers)
-        schedule = attack.schedule if attack is not None else None
-        self.schedule = schedule
-        self.pooled = schedule is None or schedule.name == "fixed_pool"  # attackers sampled like everyone
-        self.attacker_slots = 0 if self.pooled else min(schedule.attackers_per_round, len(self.attackers))
+        self.attacker_slots = AttackerSlots(attackers, attack)
+        self.attacker_set = set(attackers)
         self.reporting = clock.systems.attackers.reporting
         self.retry = clock.systems.idle_seconds  # a slot nobody can take is tried again this much later
         self.version, self.now, self.next_number = 0, 0.0, 1
         self.slots: list[Task | None] = [None] * self.c
         self.vacant: dict[int, float] = {}  # slot -> when to try filling it again
         self.waiting: list[Task] = []  # arrived while their client was in the buffer: the next buffer's
-        self._next_attacker = 0
         self.opened = False  # the first step fills every slot
         self._attacker_mask = np.zeros(self.num_clients, dtype=bool)
-        self._attacker_mask[self.attackers] = True
+        self._attacker_mask[sorted(attackers)] = True
 
     # --- starting tasks --------------------------------------------------------------------------
     def busy(self) -> set[int]:
@@ -122,19 +158,12 @@ class AsyncFederation:
         """Start a task in `slot` at time `t` from the current version (or mark the slot vacant)."""
         number = self.next_number
         busy = self.busy()
-        pid = None
-        if slot < self.attacker_slots and self.schedule.is_attack_round(self.version + 1):
-            n = len(self.attackers)
-            for i in range(n):
-                candidate = self.attackers[(self._next_attacker + i) % n]
-                if candidate not in busy:
-                    pid, self._next_attacker = candidate, (self._next_attacker + i + 1) % n
-                    break
+        pid = self.attacker_slots.take(slot, self.version, busy)
         if pid is None:
             free = self.clock.available_at(t, number).copy()
             if busy:
                 free[np.fromiter(busy, dtype=np.int64)] = False
-            if not self.pooled:
+            if not self.attacker_slots.pooled:
                 free &= ~self._attacker_mask
             candidates = np.flatnonzero(free)
             if len(candidates) == 0:
@@ -228,6 +257,24 @@ class AsyncFederation:
                 refill.append(t.slot)
 
     # --- what survives ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain data for a checkpoint, taken when a step has closed (its buffer applied)."""
+        return {"version": self.version, "now": self.now, "next_number": self.next_number, "opened": self.opened,
+                "slots": [None if t is None else t.state() for t in self.slots],
+                "waiting": [t.state() for t in self.waiting], "vacant": {str(k): v for k, v in self.vacant.items()},
+                "attackers": self.attacker_slots.state_dict()}
+
+    def load_state_dict(self, state: dict) -> list[Task]:
+        """Back to a checkpoint's state; returns the tasks that had trained (their replies were not
+        kept: they must be trained again, from the same model version, before they are used)."""
+        self.version, self.now = int(state["version"]), float(state["now"])
+        self.next_number, self.opened = int(state["next_number"]), bool(state["opened"])
+        self.slots = [None if t is None else Task.from_state(t) for t in state["slots"]]
+        self.waiting = [Task.from_state(t) for t in state["waiting"]]
+        self.vacant = {int(k): float(v) for k, v in state["vacant"].items()}
+        self.attacker_slots.load_state_dict(state["attackers"])
+        return [t for t in [*self.slots, *self.waiting] if t is not None and t.finish is not None and not t.dropped]
+
     def versions_in_use(self) -> set[int]:
         """Model versions some task in flight or waiting still trains from or was trained from."""
         return {t.version for t in self.slots if t is not None} | {t.version for t in self.waiting}

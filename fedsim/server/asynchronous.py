@@ -22,8 +22,10 @@ over α under FedAsync (one update mixed in with weight α).
 In a deployment there is no simulated clock: the same steps run on the real one, with messages
 pushed and replies pulled as they come (fedsim/server/live.py).
 
-Not checkpointed mid-flight: a run of an asynchronous protocol cannot be resumed (refused with
-the reason); every completed step's line is written as it closes.
+Each step's checkpoint keeps the clients in flight and waiting (without their replies), the model
+versions they started from and the recent honest rows; a resumed run trains the tasks that had
+trained again, so it needs clients without memory between tasks (refused otherwise, with the
+reason), and cannot resume a deployment.
 """
 
 from __future__ import annotations
@@ -75,14 +77,16 @@ class AsynchronousExchange:
         self.recent: OrderedDict[int, torch.Tensor] = OrderedDict()  # client -> its latest honest row, as the rule saw it
         self.step: Step | None = None
         self.grid: Grid | None = None
+        self.retrain: list[Task] = []  # a resumed run's tasks that had trained (their replies are not checkpointed)
+        if self.clock is not None:
+            driver.protocol_state = self.state_dict
         self._last_attack: int | None = None
 
     # --- a server step ---------------------------------------------------------------------------
     def open_round(self, rnd: int) -> RoundPlan:
         driver = self.driver
-        if driver.offset:
-            raise RuntimeError(f"systems.round={self.policy.name}: an asynchronous run cannot be resumed (its clients "
-                               "in flight are not checkpointed); start it again without --resume")
+        if driver.offset and rnd == driver.offset + 1:
+            self.resume()
         driver.started = time.perf_counter()
         driver.report = None
         keep = self.federation.versions_in_use() | {self.federation.version}
@@ -96,6 +100,9 @@ class AsynchronousExchange:
         """Run the clock until the buffer is complete (the clients train here, in waves); nothing is
         left for Flower's own loop to send."""
         self.grid = grid
+        if self.retrain:  # a resumed run: the tasks that had trained, trained again (same model, same seed)
+            tasks, self.retrain = self.retrain, []
+            self.train(tasks)
         driver = self.driver
         driver.timing[plan.round] = {"encode": time.perf_counter() - driver.started}
         if self.clock is None:
@@ -105,6 +112,39 @@ class AsynchronousExchange:
             self.step = self.federation.step(self.train, 0.0 if server == "measured" else server)
         self.plain.sent_at = time.perf_counter()
         return []
+
+    # --- what survives a restart -----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The clients in flight and waiting, the model versions they trained from, the recent honest rows."""
+        in_use = self.federation.versions_in_use()
+        state = {"federation": self.federation.state_dict(), "last_attack": self._last_attack,
+                 "versions": {str(v): m.vec for v, m in self.versions.items() if v in in_use},
+                 "recent": {str(p): row for p, row in self.recent.items()}}
+        if self.driver.local_privacy is not None:
+            state["releases"] = {str(p): n for p, n in self.driver.local_privacy.releases.items()}
+        return state
+
+    def resume(self) -> None:
+        """Continue from the checkpoint the driver resumed from. The tasks that had trained are
+        trained again (a client's training depends only on the model version, the seed and its data),
+        which needs clients that keep no memory between tasks."""
+        driver, state = self.driver, self.driver.resumed_protocol
+        name = f"systems.round={self.policy.name}"
+        if self.clock is None:
+            raise RuntimeError(f"{name} on a real SuperLink cannot be resumed: its messages in flight are the link's")
+        if state is None:
+            raise RuntimeError(f"{name}: the checkpoint holds no asynchronous state (written by another protocol?)")
+        folder = driver.checkpoint_to
+        if folder is not None and any(folder.client_states.glob("*.npz")):
+            raise RuntimeError(f"{name}: clients keep memory between tasks here (a codec's error feedback or an "
+                               "attacker's own arrays), which training a task again would not replay exactly; "
+                               "an asynchronous run with client memory cannot be resumed: start it again")
+        self.retrain = self.federation.load_state_dict(state["federation"])
+        self.versions = {int(v): Version(vec) for v, vec in state["versions"].items()}
+        self.recent = OrderedDict((int(p), row) for p, row in state["recent"].items())
+        self._last_attack = state["last_attack"]
+        if driver.local_privacy is not None:
+            driver.local_privacy.releases.update({int(p): int(n) for p, n in state.get("releases", {}).items()})
 
     def prepare(self, task: Task) -> None:
         """A started task's download size and the earliest it can finish (no upload, the fewest samples)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -112,6 +113,10 @@ class RoundDriver:
         self.local_privacy = LocalPrivacyLedger(local_dp, self.scenario.federation.num_clients) if local_dp else None
         self._counted_round = 0  # the ledger holds rounds 1.._counted_round
         self.last_start_loss: float | None = None  # the last round's mean loss at its global model (AdaComm's F)
+        # a protocol's own state beside the driver's (the asynchronous exchange's clients in flight):
+        # `protocol_state()` is checkpointed each round, handed back as `resumed_protocol` on resume
+        self.protocol_state: Callable[[], dict] | None = None
+        self.resumed_protocol: dict | None = None
         systems = self.scenario.systems  # the federation clock (fedsim/clock/): devices, networks, availability
         # (none on the real clock of a deployment, where `systems:` may only choose an asynchronous round)
         self.clock = FederationClock(systems, self.scenario.federation.num_clients, runtime.attackers,
@@ -294,6 +299,8 @@ class RoundDriver:
             extra["pipeline"] = self.pipeline.history()
         if self.clock is not None:
             extra["clock"] = {**self.clock.state_dict(), "last_start_loss": self.last_start_loss}
+        if self.protocol_state is not None:
+            extra["protocol"] = self.protocol_state()
         if self.evaluator.shared is not None:  # the trigger the backdoor is measured with
             extra["backdoor_report"] = {k: torch.from_numpy(np.array(v)) for k, v in self.evaluator.shared.items()}
         defenses = self.pipeline.state_dict() if self.pipeline is not None else {}
@@ -309,6 +316,7 @@ class RoundDriver:
             self.pipeline.load_state_dict(state["defenses"])
         self.server_opt.load_state_dict(extra.get("server_optimizer", {}))
         self.global_vec = state["global"].clone()
+        self.resumed_protocol = extra.get("protocol")
         if self.clock is not None and "clock" in extra:
             self.clock.load_state_dict(extra["clock"])
             self.last_start_loss = extra["clock"].get("last_start_loss")

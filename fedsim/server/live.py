@@ -23,7 +23,7 @@ from typing import Callable
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedsim.clock.events import Arrival, Step, Task
+from fedsim.clock.events import Arrival, AttackerSlots, Step, Task
 from fedsim.seeding import SAMPLE, numpy_rng
 
 
@@ -34,16 +34,11 @@ class LiveArrivals:
                  prepare: Callable[[Task], None], poll_seconds: float = 0.05) -> None:
         self.k, self.c, self.timeout = policy.buffer_size, policy.in_flight(federation), policy.timeout
         self.num_clients, self.seed, self.prepare, self.poll_seconds = federation.num_clients, seed, prepare, poll_seconds
-        self.attackers = sorted(attackers)
-        schedule = attack.schedule if attack is not None else None
-        self.schedule = schedule
-        self.pooled = schedule is None or schedule.name == "fixed_pool"
-        self.attacker_slots = 0 if self.pooled else min(schedule.attackers_per_round, len(self.attackers))
+        self.attacker_slots = AttackerSlots(attackers, attack)
         self.version, self.next_number, self.opened = 0, 1, False
         self.slots: list[Task | None] = [None] * self.c
         self.waiting: list[Task] = []
         self.sent: dict[str, Task] = {}  # message id -> its task, until its reply is pulled
-        self._next_attacker = 0
         self.refill: list[int] = []  # slots freed by the last step's closing arrivals: they take its new model
         self.t0 = time.monotonic()
 
@@ -53,23 +48,17 @@ class LiveArrivals:
     def fill(self, slot: int, grid: Grid, message_for: Callable[[Task], Message], started: list[Task]) -> None:
         """Push a task to a client that is not busy, from the current version."""
         busy = {t.pid for t in self.slots if t is not None}
-        number, pid = self.next_number, None
-        if slot < self.attacker_slots and self.schedule.is_attack_round(self.version + 1):
-            n = len(self.attackers)
-            for i in range(n):
-                candidate = self.attackers[(self._next_attacker + i) % n]
-                if candidate not in busy:
-                    pid, self._next_attacker = candidate, (self._next_attacker + i + 1) % n
-                    break
+        number, attackers = self.next_number, self.attacker_slots
+        pid = attackers.take(slot, self.version, busy)
         if pid is None:
-            excluded = busy if self.pooled else busy | set(self.attackers)
+            excluded = busy if attackers.pooled else busy | set(attackers.attackers)
             free = [p for p in range(self.num_clients) if p not in excluded]
             if not free:
                 self.slots[slot] = None
                 return
             pid = free[int(numpy_rng(self.seed, SAMPLE, 0, number).integers(len(free)))]
         self.next_number += 1
-        task = Task(number, pid, self.version, self.now(), slot, pid in self.attackers)
+        task = Task(number, pid, self.version, self.now(), slot, pid in attackers.attackers)
         self.prepare(task)
         (message_id,) = list(grid.push_messages([message_for(task)]))
         self.sent[message_id] = task
