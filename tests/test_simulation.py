@@ -54,3 +54,20 @@ def test_a_client_raising_inside_ray_is_reported_and_the_round_goes_on(tmp_path)
     assert len(rounds) == 2
     for r in rounds:
         assert "injected failure" in r["rejected"]["2"] and 2 not in r["aggregated"] and len(r["aggregated"]) == 5
+
+
+def test_fedbuff_on_ray_gives_the_same_lines_with_other_actors_and_order(tmp_path):
+    """Asynchronous steps follow the simulated clock, never the order Ray's actors finish in: on
+    Ray, largest client first or not, the lines are those of the in-process grid."""
+    from conftest import run_local
+    from fedsim.flower.options import EngineOptions
+
+    overrides = ["federation.rounds=4", "federation.num_clients=10", "federation.clients_per_round=4",
+                 "attack.schedule={name: every_round}", "systems={round: {name: fedbuff, buffer_size: 3}, jitter: 0.5}"]
+    runs = []
+    scenario = load_scenario("scenarios/quickstart.yaml", overrides)
+    for name, options in (("first", EngineOptions()), ("unordered", EngineOptions(largest_first=False))):
+        runs.append(without_times(read_rounds(simulate(scenario, run_dir=tmp_path / name, options=options))))
+    local = without_times(run_local(scenario, tmp_path / "local").rounds)
+    assert runs[0] == runs[1] == local
+    assert all(len(r["sampled"]) == 3 for r in runs[0])
