@@ -150,7 +150,6 @@ class AsynchronousExchange:
         """A started task's download size and the earliest it can finish (no upload, the fewest samples)."""
         if self.model_bytes is None:
             self.model_bytes = records_bytes({"arrays": pack_model(self.driver.global_vec, self.driver.layout)})
-        task.reply = None
         bytes_down = self.model_bytes + records_bytes({"config": ConfigRecord(self.config(task))})
         task.bytes_down = bytes_down
         if self.clock is None:
