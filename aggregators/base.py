@@ -70,6 +70,8 @@ def parse_nested_rule(value: Any, default: str, allowed: list[str], why_not: Cal
     if not isinstance(value, Mapping):
         raise ValueError(f"inner must be a rule name or a mapping with `name`, got {value!r}")
     name = value.get("name", default)
+    if not isinstance(name, str):
+        raise ValueError(f"inner.name must be a rule name, got {type(name).__name__} {name!r}; allowed: {', '.join(allowed)}")
     if name not in allowed:
         raise ValueError(f"{why_not(name)}; allowed: {', '.join(allowed)}")
     return inner_spec_model(name).model_validate({**value, "name": name})

@@ -77,7 +77,7 @@ def cmd_validate(args) -> int:
 
         name, runs = expand(args.file, args.set)
         preflight_runs(runs, str(args.file))
-        console.print(f"sweep {name}: {len(runs)} valid runs")
+        console.print(f"sweep {name}: {len(runs)} valid runs", markup=False, highlight=False)  # a name is the user's text
         for run in runs:
             console.print(f"  {run.name}", markup=False, highlight=False)
         return 0
@@ -315,7 +315,7 @@ def cmd_run(args) -> int:
         f"(peak {_fmt(summary['peak_backdoor_success'], True)}), "
         f"{summary['total_bytes_up'] / 1e6:.2f} MB up, {summary['wall_seconds']:.1f} s in rounds"
     )
-    console.print(f"results: {run_dir}")
+    console.print(f"results: {run_dir}", markup=False, highlight=False)
     return skipped_exit_code(read_rounds(run_dir))
 
 
@@ -416,7 +416,8 @@ def cmd_sweep(args) -> int:
 
     preflight_runs(runs, str(args.file))
     console.print(f"sweep {name}: {len(runs)} runs, {len(runs) - len(todo)} already done, results in {folder}"
-                  + (f"; {len(again)} that trained nothing last time run again" if again else ""))
+                  + (f"; {len(again)} that trained nothing last time run again" if again else ""),
+                  markup=False, highlight=False)  # the name and folder are the user's text
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
     stop = threading.Event()
     with on_signals(stop) as signals:

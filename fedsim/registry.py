@@ -211,7 +211,7 @@ class Registry:
 
     def __contains__(self, name: str) -> bool:
         load_components()
-        return name in self._entries
+        return isinstance(name, str) and name in self._entries
 
 
 AGGREGATORS = Registry("aggregator", AggregatorTraits)

@@ -213,6 +213,7 @@ class Runtime:
         return fed.lr * fed.lr_decay ** (rnd - 1)
 
 
+@functools.cache  # installed versions do not change under a running process (a sweep asks once per run)
 def versions() -> list[str]:
     """Library versions a cached result depends on (a new partitioner version may split differently).
 

@@ -80,16 +80,16 @@ class LocalDPSection(Section):
 class FederationSection(Section):
     num_clients: int = Field(20, ge=1, le=MAX_CLIENTS, description="registered clients (one partition each)")
     clients_per_round: int = Field(10, ge=1, le=MAX_CLIENTS, description="clients sampled per round (<= num_clients)")
-    rounds: int = Field(15, ge=1)
-    local_epochs: int = Field(2, ge=1)
-    batch_size: int = Field(32, ge=1)
+    rounds: int = Field(15, ge=1, le=1_000_000, description="training rounds (asynchronous protocols: server steps)")
+    local_epochs: int = Field(2, ge=1, le=100_000)
+    batch_size: int = Field(32, ge=1, le=10_000_000, description="examples per local SGD step (at most 10 million)")
     lr: float = Field(0.1, gt=0)
     lr_decay: float = Field(1.0, gt=0, le=1, description="lr in round t is lr * lr_decay**(t-1)")
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     proximal_mu: float = Field(0.0, ge=0, le=1e6, description="FedProx's μ: honest clients add μ/2·‖w − w_global‖² to their loss (0: FedAvg)")
     local_steps: int | None = Field(
-        None, ge=1, description="stop local training after this many SGD steps (1 with batch_size >= a partition: FedSGD)")
+        None, ge=1, le=10_000_000, description="stop local training after this many SGD steps (1 with batch_size >= a partition: FedSGD)")
     client_cpus: float = Field(
         1.0, gt=0, description="CPUs per Ray client actor (1 on 2 cores gives 2 actors); a client trains with that many torch threads (at least 1)"
     )
@@ -295,7 +295,8 @@ def build_scenario_model() -> type[BaseModel]:
         partition: Partition = "dirichlet"
 
     class Scenario(Section):
-        name: str = Field("scenario", pattern=r"^[A-Za-z0-9_.-]+$")
+        name: str = Field("scenario", pattern=r"^[A-Za-z0-9_.-]+$", max_length=128,
+                          description="names the run folder (with a timestamp): letters, digits, _ . -, at most 128")
         seed: int = Field(0, ge=0, le=2**32 - 1, description="fixes every random stream (a 32-bit seed, as torch and numpy take)")
         deterministic: bool = Field(
             False, description="PyTorch's switches for reproducible runs, on the server and around each client's training "

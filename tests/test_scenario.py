@@ -178,3 +178,20 @@ def test_every_shipped_scenario_and_sweep_validates(path):
         assert runs
     else:
         assert load_scenario(str(ROOT_DIR / path)).name
+
+
+def test_sizes_that_allow_no_real_run_are_refused():
+    """Left from the fuzzing: 10^9 rounds or batch size validated; a 100,000-character name was
+    accepted (and run folders cannot be named that long)."""
+    got = problems({"federation": {"rounds": 10**9, "batch_size": 10**9, "local_epochs": 10**9}, "name": "a" * 200})
+    assert {"federation.rounds", "federation.batch_size", "federation.local_epochs", "name"} <= set(got)
+    assert validate_scenario({"federation": {"rounds": 1_000_000, "batch_size": 10_000_000}}).federation.rounds == 1_000_000
+
+
+def test_a_nested_rule_name_that_is_not_a_name_is_refused_not_a_crash():
+    """Left from the fuzzing: an inner rule whose `name` is a mapping raised TypeError (unhashable)."""
+    for aggregator in ({"name": "bucketing", "inner": {"name": {"a": 1}}}, {"name": "detox", "inner": {"name": ["x"]}},
+                       {"name": "nnm", "inner": {"name": 3}}):
+        got = problems({"aggregator": aggregator})
+        (path, message), = got.items()
+        assert path == f"aggregator.{aggregator['name']}.inner" and "must be a rule name" in message
