@@ -305,3 +305,21 @@ def test_lightsecagg_refuses_more_dropouts_than_d_and_impossible_parameters():
         validate_scenario({"federation": {"num_clients": 6, "clients_per_round": 5},
                            "secure_aggregation": {"name": "lightsecagg", "privacy": 3, "dropout": 2}})
     assert "N - D >= U > T" in str(err.value)
+
+
+def test_lightsecagg_keys_a_link_answered_error_by_the_node_it_was_for():
+    """A SuperLink answers for an offline node with an error from its own id: two such nodes must
+    not collide under that id (#38 item 4); each reply is matched to the message it answers."""
+    from flwr.app import RecordDict
+
+    from fedsim.flower.local_grid import LocalGrid
+    from fedsim.server.lightsecagg import _send
+
+    sc = quick_scenario("federation.num_clients=4", "federation.clients_per_round=4", attack=None)
+    grid = LocalGrid(make_client_app(sc), 4, offline={1, 2})
+    nodes = list(grid.get_node_ids())
+    replies = _send(grid, {nid: RecordDict() for nid in nodes}, 1, None)
+    assert sorted(replies) == sorted(nodes)
+    offline = [nodes[1], nodes[2]]
+    assert all(replies[n].has_error() and "offline" in replies[n].error.reason for n in offline)
+    assert all(replies[n].metadata.src_node_id not in nodes for n in offline)  # answered by the link

@@ -25,6 +25,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict, Array
 
 from fedsim.secagg.config import LIGHTSECAGG_RECORD, LIGHTSECAGG_STAGES
+from fedsim.server.exchange import ReplyOwners
 from fedsim.secagg.field import dequantise
 from fedsim.secagg.lightsecagg import RoundRefused, server_aggregate
 
@@ -40,9 +41,14 @@ class LightSecAggRound:
 
 
 def _send(grid, contents: dict[int, RecordDict], rnd: int, timeout) -> dict[int, Message]:
+    """Each node's reply, keyed by the node its message went to: a SuperLink's error reply for an
+    offline node comes from the link's own id, so replies are matched to the messages they answer
+    (fedsim/server/exchange.py: ReplyOwners), never keyed by `src_node_id`."""
     msgs = [Message(content, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(rnd))
             for nid, content in contents.items()]
-    return {r.metadata.src_node_id: r for r in grid.send_and_receive(msgs, timeout=timeout)}
+    replies = list(grid.send_and_receive(msgs, timeout=timeout))
+    owner = ReplyOwners([(m, m.metadata.dst_node_id) for m in msgs])
+    return {owner(r): r for r in replies}
 
 
 def _ok(replies: dict[int, Message], failures: list[str]) -> dict[int, Message]:
