@@ -56,3 +56,14 @@ def test_a_fresh_client_drops_its_files_from_rounds_the_server_is_redoing(tmp_pa
     state = load_client(tmp_path, 3, before_round=4)
     assert state["residual"].tolist() == [2.0, 2.0]
     assert sorted(p.name for p in tmp_path.glob("*.npz")) == ["3-r2.npz", "8-r5.npz"]
+
+
+def test_a_damaged_state_file_is_skipped_for_the_older_one(tmp_path, caplog):
+    save_client(tmp_path, 3, 1, {"residual": np.ones(4, dtype=np.float32)})
+    save_client(tmp_path, 3, 2, {"residual": np.full(4, 2.0, dtype=np.float32)})
+    newest = tmp_path / "3-r2.npz"
+    newest.write_bytes(newest.read_bytes()[:20])  # damaged
+    with caplog.at_level("WARNING", logger="fedsim"):
+        state = load_client(tmp_path, 3, before_round=3)
+    assert state["residual"].tolist() == [1.0] * 4
+    assert any("3-r2.npz is unreadable" in r.getMessage() for r in caplog.records)

@@ -91,3 +91,41 @@ def test_stateful_rule_and_defense_resume_identically(tmp_path):
     run(scenario, cut_dir)
     assert metrics(read_rounds(cut_dir)) == metrics(read_rounds(full_dir))
     assert any("scores" in r.get("defenses", {}).get("fldetector", {}) for r in read_rounds(full_dir))
+
+
+def test_a_torn_last_line_is_dropped_and_its_round_redone(tmp_path):
+    """A process killed while appending a line leaves it cut short: it is not a record, resume
+    redoes its round and the file ends as an uninterrupted run's; damage elsewhere is an error."""
+    from fedsim.runs.results import rounds_torn
+
+    scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES)
+    full_dir = RunFolder.create(scenario, tmp_path / "full").path
+    run(scenario, full_dir)
+    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
+    with pytest.raises(Killed):
+        run(scenario, cut_dir, kill_after=3)
+    rounds_file = RunFolder(cut_dir).rounds_file
+    with open(rounds_file, "a") as fh:
+        fh.write('{"round": 4, "sampled": [0, 1')  # the kill came mid-write
+    assert rounds_torn(cut_dir) and [r["round"] for r in read_rounds(cut_dir)] == [1, 2, 3]
+    run(scenario, cut_dir)  # resume
+    assert not rounds_torn(cut_dir) and metrics(read_rounds(cut_dir)) == metrics(read_rounds(full_dir))
+    lines = rounds_file.read_text().splitlines()
+    rounds_file.write_text("\n".join([lines[0], lines[1][:40], *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match="line 2 is not a round record"):
+        read_rounds(cut_dir)
+
+
+def test_a_damaged_newest_checkpoint_is_refused_and_the_older_one_used(tmp_path, caplog):
+    scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES)
+    full_dir = RunFolder.create(scenario, tmp_path / "full").path
+    run(scenario, full_dir)
+    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
+    with pytest.raises(Killed):
+        run(scenario, cut_dir, kill_after=3)
+    newest = RunFolder(cut_dir).checkpoints / "round-3.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    with caplog.at_level("WARNING", logger="fedsim"):
+        summary = run(scenario, cut_dir)  # resumes after round 2, redoes round 3
+    assert any("round-3.pt is unreadable" in r.getMessage() for r in caplog.records)
+    assert metrics(read_rounds(cut_dir)) == metrics(read_rounds(full_dir)) and summary["rounds_completed"] == 5

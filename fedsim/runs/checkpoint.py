@@ -14,8 +14,10 @@ then rename) and only the newest two per owner are kept.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +26,22 @@ import torch
 from fedsim.runs.folder import RunFolder
 
 KEEP = 2
+log = logging.getLogger("fedsim")
 
 
 def _atomic_write(path: Path, write) -> None:
+    """Write to a temp file, flush it to disk, rename it over `path`, flush the folder: a kill at
+    any point leaves the old file or the new one, never a part of one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     write(tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
     tmp.replace(path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def _prune(files: list[tuple[int, Path]]) -> None:
@@ -62,32 +74,48 @@ def save_server(run_dir: Path | RunFolder, rnd: int, global_vec: torch.Tensor, d
 
 
 def load_server(run_dir: Path | RunFolder, at_most: int) -> dict | None:
-    """The newest server checkpoint of a round <= `at_most`, or None."""
-    found = [(r, p) for r, p in _rounds(server_dir(run_dir), r"round-(\d+)\.pt") if r <= at_most]
-    if not found:
-        return None
-    return torch.load(max(found)[1], map_location="cpu", weights_only=True)
+    """The newest readable server checkpoint of a round <= `at_most`, or None. One that cannot be
+    read (truncated, damaged) is refused with the reason, logged, and the next older one used."""
+    found = sorted(((r, p) for r, p in _rounds(server_dir(run_dir), r"round-(\d+)\.pt") if r <= at_most), reverse=True)
+    for rnd, path in found:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001  (any unreadable file: torch raises several kinds)
+            log.warning("checkpoint %s is unreadable (%s: %s); using an older one", path, type(err).__name__, err)
+            continue
+        if not isinstance(state, dict) or state.get("round") != rnd or "global" not in state:
+            log.warning("checkpoint %s does not hold round %s's server state; using an older one", path, rnd)
+            continue
+        return state
+    return None
 
 
 # --- clients ---------------------------------------------------------------------------------------
 def save_client(state_dir: str | Path, pid: int, rnd: int, state: dict[str, np.ndarray]) -> None:
     folder = Path(state_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder / f"{pid}-r{rnd}.npz", lambda p: np.savez(open(p, "wb"), **state))
+    def write(path: Path) -> None:
+        with open(path, "wb") as fh:
+            np.savez(fh, **state)
+
+    _atomic_write(folder / f"{pid}-r{rnd}.npz", write)
     _prune(_rounds(folder, rf"{pid}-r(\d+)\.npz"))
 
 
 def load_client(state_dir: str | Path, pid: int, before_round: int) -> dict[str, np.ndarray] | None:
-    """The client's newest saved state from a round before `before_round`, or None.
+    """The client's newest readable saved state from a round before `before_round`, or None.
 
     Files from `before_round` on were written by a run that was killed before the server kept
-    those rounds: the server is about to redo them, so they are deleted here, by the client."""
+    those rounds: the server is about to redo them, so they are deleted here, by the client. A file
+    that cannot be read (damaged) is skipped with a warning for the next older one."""
     mine = _rounds(Path(state_dir), rf"{pid}-r(\d+)\.npz")
     for r, path in mine:
         if r >= before_round:
             path.unlink(missing_ok=True)
-    found = [(r, p) for r, p in mine if r < before_round]
-    if not found:
-        return None
-    with np.load(max(found)[1], allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+    for _, path in sorted(((r, p) for r, p in mine if r < before_round), reverse=True):
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:  # what np.load raises for a damaged .npz
+            log.warning("client state %s is unreadable (%s: %s); using an older one", path, type(err).__name__, err)
+    return None

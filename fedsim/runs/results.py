@@ -36,10 +36,34 @@ def append_round(run_dir: Path | RunFolder, record: dict) -> None:
 
 
 def read_rounds(run_dir: Path | RunFolder) -> list[dict]:
+    """The run's round lines. A last line cut short (the process killed while appending it) is
+    left out: that round is redone on resume, which rewrites the file (`rounds_torn`). A line that
+    is not a record anywhere else is damage, not a kill: an error naming the file and the line."""
     path = RunFolder.of(run_dir).rounds_file
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1 and rounds_torn(run_dir):
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a round record ({err})") from None
+    return out
+
+
+def rounds_torn(run_dir: Path | RunFolder) -> bool:
+    """Whether rounds.jsonl ends inside a line (every complete line ends with a newline)."""
+    path = RunFolder.of(run_dir).rounds_file
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) != b"\n"
 
 
 def every_round_skipped(rounds: list[dict]) -> str | None:
