@@ -33,6 +33,17 @@ def run(scenario, run_dir, kill_after=None):
     return run_local(scenario, RunFolder(run_dir), progress=progress, checkpoints=True, client_states=True).summary
 
 
+def killed_beside_full(tmp_path, kill_after: int, extra=()):
+    """The scenario run whole, and again killed after round `kill_after`: (scenario, full, cut)."""
+    scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES + list(extra))
+    full_dir = RunFolder.create(scenario, tmp_path / "full").path
+    run(scenario, full_dir)
+    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
+    with pytest.raises(Killed):
+        run(scenario, cut_dir, kill_after=kill_after)
+    return scenario, full_dir, cut_dir
+
+
 CLOCK = ("systems={round: {name: over_selection, factor: 1.4}, availability: {offline: 0.2, dropout: 0.2}, "
          "adacomm: {tau0: 4, interval: 0.05}}")  # the clock's time, starts and AdaComm's state resume too
 # asynchronous: the clients in flight and waiting, their model versions, the recent honest rows resume too
@@ -42,13 +53,7 @@ FEDASYNC = "systems={round: {name: fedasync, alpha: 0.5}, jitter: 0.3}"
 
 @pytest.mark.parametrize("extra", [[], ["evaluation.initial=true"], [CLOCK], [FEDBUFF], [FEDASYNC, "defenses=[norm_clipping]"]])
 def test_resumed_run_matches_uninterrupted(tmp_path, extra):
-    scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES + extra)
-    full_dir = RunFolder.create(scenario, tmp_path / "full").path
-    run(scenario, full_dir)
-
-    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
-    with pytest.raises(Killed):
-        run(scenario, cut_dir, kill_after=2)
+    scenario, full_dir, cut_dir = killed_beside_full(tmp_path, 2, extra)
     assert max(r["round"] for r in read_rounds(cut_dir)) == 2
     summary = run(scenario, cut_dir)  # resume
     assert metrics(read_rounds(cut_dir)) == metrics(read_rounds(full_dir))
@@ -56,12 +61,7 @@ def test_resumed_run_matches_uninterrupted(tmp_path, extra):
 
 
 def test_lines_without_checkpoint_are_redone(tmp_path):
-    scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES)
-    full_dir = RunFolder.create(scenario, tmp_path / "full").path
-    run(scenario, full_dir)
-    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
-    with pytest.raises(Killed):
-        run(scenario, cut_dir, kill_after=3)
+    scenario, full_dir, cut_dir = killed_beside_full(tmp_path, 3)
     for path in (cut_dir / "checkpoint").glob("round-3.pt"):
         path.unlink()  # the checkpoint of round 3 was lost: round 3 must be recomputed
     run(scenario, cut_dir)
@@ -98,12 +98,7 @@ def test_a_torn_last_line_is_dropped_and_its_round_redone(tmp_path):
     redoes its round and the file ends as an uninterrupted run's; damage elsewhere is an error."""
     from fedsim.runs.results import rounds_torn
 
-    scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES)
-    full_dir = RunFolder.create(scenario, tmp_path / "full").path
-    run(scenario, full_dir)
-    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
-    with pytest.raises(Killed):
-        run(scenario, cut_dir, kill_after=3)
+    scenario, full_dir, cut_dir = killed_beside_full(tmp_path, 3)
     rounds_file = RunFolder(cut_dir).rounds_file
     with open(rounds_file, "a") as fh:
         fh.write('{"round": 4, "sampled": [0, 1')  # the kill came mid-write
@@ -117,12 +112,7 @@ def test_a_torn_last_line_is_dropped_and_its_round_redone(tmp_path):
 
 
 def test_a_damaged_newest_checkpoint_is_refused_and_the_older_one_used(tmp_path, caplog):
-    scenario = load_scenario("scenarios/quickstart.yaml", OVERRIDES)
-    full_dir = RunFolder.create(scenario, tmp_path / "full").path
-    run(scenario, full_dir)
-    cut_dir = RunFolder.create(scenario, tmp_path / "cut").path
-    with pytest.raises(Killed):
-        run(scenario, cut_dir, kill_after=3)
+    scenario, full_dir, cut_dir = killed_beside_full(tmp_path, 3)
     newest = RunFolder(cut_dir).checkpoints / "round-3.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
     with caplog.at_level("WARNING", logger="fedsim"):
