@@ -285,3 +285,20 @@ def test_server_tools_get_whole_models_and_the_rule_the_trainable_part():
     assert torch.equal(seen_global, global_vec) and seen_layout is layout  # buffers filled back in
     g0 = server_update[mask]
     assert out.aggregator["server_update_norm"] == pytest.approx(float(torch.linalg.vector_norm(g0)), rel=1e-5)
+
+
+def test_an_asynchronous_reference_is_split_like_the_batch():
+    """A server-side attack crafting from recent honest rows (asynchronous protocols) sees their
+    trainable coordinates only, as it sees the batch's; BatchNorm buffers are averaged aside."""
+    from fedsim.registry import ATTACKS
+    from fedsim.server.pipeline import RoundPipeline
+    from fedsim.updates import UpdateBatch
+
+    layout, global_vec, updates = local_updates(6)
+    spec = ATTACKS.get("alie").params()
+    pipe = RoundPipeline(scenario(), ATTACKS.get("alie").obj(spec))
+    batch = UpdateBatch(updates[:3], torch.ones(3), (0, 1, 2))
+    reference = UpdateBatch(updates[3:], torch.ones(3), (3, 4, 5))
+    out = pipe.run(batch, {0}, context(layout, global_vec), reference=reference)
+    assert out.skipped is None and torch.isfinite(out.aggregate).all() and out.aggregate.shape == (layout.dim,)
+    assert "failed" not in out.attack

@@ -104,6 +104,8 @@ class RoundPipeline:
         buffers = None  # BatchNorm statistics: averaged aside, never seen by attack, defenses or rule
         if ctx.layout is not None and ctx.layout.has_buffers:
             batch, ctx, buffers = BufferRows.split(batch, ctx)
+            if reference is not None:  # the attack crafts trainable coordinates from trainable ones
+                reference = reference.with_updates(reference.updates[:, buffers.mask.to(reference.updates.device)])
         previous = self.previous_aggregate  # on the batch's device (a checkpoint's is on CPU)
         ctx = replace(ctx, previous_aggregate=None if previous is None else previous.to(batch.updates.device))
         batch = self.server_attack(batch, strikers, ctx, out, groups, reference)
