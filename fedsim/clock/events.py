@@ -54,6 +54,7 @@ class Task:
     reply: object = None  # what the exchange keeps of its reply
     holding: bool = False  # a buffer_timed attacker holding a finished update
     bytes_down: int = 0  # its message's serialized size
+    bytes_up: int | None = None  # its reply's serialized size, once measured (the clock's upload time)
     times: list[float] | None = None  # [download, compute, upload] simulated seconds, once it has trained
     failure: str | None = None  # why it never answered (an engine failure, not a dropout)
 

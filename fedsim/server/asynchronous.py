@@ -203,7 +203,7 @@ class AsynchronousExchange:
             samples, up = 0, 0
             if not reply.has_error():
                 try:
-                    up = message_bytes(reply)
+                    up = task.bytes_up = message_bytes(reply)  # serialized once: the decoding reuses it
                 except PayloadError:
                     up = 0
                 samples = trained_samples(reply.content) or 0
@@ -249,7 +249,8 @@ class AsynchronousExchange:
         buffer_replies = [by_pid[p].task.reply for p in record.sampled]
         owner_of = {id(r): p for p, r in zip(record.sampled, buffer_replies)}
         self.plain.owner = lambda reply: owner_of.get(id(reply), -1)
-        result = self.plain.aggregate(buffer_replies, reshape=self.reshape)
+        sizes = {p: by_pid[p].task.bytes_up for p in record.sampled if by_pid[p].task.bytes_up is not None}
+        result = self.plain.aggregate(buffer_replies, sizes=sizes, reshape=self.reshape)
         failures = {t.pid: t.failure for t in step.given_up if t.failure}
         if failures:
             record.rejected = {**failures, **record.rejected}
