@@ -100,6 +100,18 @@ class Step:
     waves: int = 0  # rounds of messages it took
 
 
+def admit_waiting(waiting: list[Task], buffer: list[Arrival], k: int, version: int, at: float) -> list[Task]:
+    """A new buffer opens with the updates that waited (their client was in the last one), in the
+    order they arrived, one per client, up to K; returns those that wait on."""
+    still = []
+    for task in sorted(waiting, key=lambda t: (t.finish, t.number)):
+        if len(buffer) < k and task.pid not in {a.task.pid for a in buffer}:
+            buffer.append(Arrival(task, at, version - task.version))
+        else:
+            still.append(task)
+    return still
+
+
 class AttackerSlots:
     """Which slots are the attackers' and which attacker takes a freed one (module docstring)."""
 
@@ -192,12 +204,7 @@ class AsyncFederation:
             self.opened = True
             for slot in range(self.c):
                 self.fill(slot, self.now, out.started)
-        waiting, self.waiting = sorted(self.waiting, key=lambda t: (t.finish, t.number)), []
-        for task in waiting:  # earlier arrivals whose client was in the last buffer
-            if len(buffer) < self.k and task.pid not in {a.task.pid for a in buffer}:
-                buffer.append(Arrival(task, self.now, self.version - task.version))
-            else:
-                self.waiting.append(task)
+        self.waiting = admit_waiting(self.waiting, buffer, self.k, self.version, self.now)
         refill: list[int] = []  # slots to start after the step
         while len(buffer) < self.k:
             events = [(t.event_time(timeout), 1, t.number, t) for t in self.slots

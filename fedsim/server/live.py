@@ -23,7 +23,7 @@ from typing import Callable
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedsim.clock.events import Arrival, AttackerSlots, Step, Task
+from fedsim.clock.events import Arrival, AttackerSlots, Step, Task, admit_waiting
 from fedsim.seeding import SAMPLE, numpy_rng
 
 
@@ -73,12 +73,7 @@ class LiveArrivals:
             self.refill = list(range(self.c))
         for slot in self.refill:  # pushed now that the last step's model is the current version
             self.fill(slot, grid, message_for, out.started)
-        waiting, self.waiting = self.waiting, []
-        for task in waiting:
-            if len(buffer) < self.k and task.pid not in {a.task.pid for a in buffer}:
-                buffer.append(Arrival(task, out.start, self.version - task.version))
-            else:
-                self.waiting.append(task)
+        self.waiting = admit_waiting(self.waiting, buffer, self.k, self.version, out.start)
         refill = self.refill = []
         while len(buffer) < self.k:
             for slot, task in enumerate(self.slots):  # given up: no reply `timeout` seconds after its push
