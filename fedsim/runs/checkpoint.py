@@ -23,25 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedsim.runs.atomic import write_atomic
 from fedsim.runs.folder import RunFolder
 
 KEEP = 2
 log = logging.getLogger("fedsim")
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write to a temp file, flush it to disk, rename it over `path`, flush the folder: a kill at
-    any point leaves the old file or the new one, never a part of one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    tmp.replace(path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 def _prune(files: list[tuple[int, Path]]) -> None:
@@ -69,7 +55,7 @@ def save_server(run_dir: Path | RunFolder, rnd: int, global_vec: torch.Tensor, d
     folder = server_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     payload = {"round": rnd, "global": global_vec.clone(), "defenses": defense_states, "extra": extra or {}}
-    _atomic_write(folder / f"round-{rnd}.pt", lambda p: torch.save(payload, p))
+    write_atomic(folder / f"round-{rnd}.pt", lambda p: torch.save(payload, p))
     _prune(_rounds(folder, r"round-(\d+)\.pt"))
 
 
@@ -98,7 +84,7 @@ def save_client(state_dir: str | Path, pid: int, rnd: int, state: dict[str, np.n
         with open(path, "wb") as fh:
             np.savez(fh, **state)
 
-    _atomic_write(folder / f"{pid}-r{rnd}.npz", write)
+    write_atomic(folder / f"{pid}-r{rnd}.npz", write)
     _prune(_rounds(folder, rf"{pid}-r(\d+)\.npz"))
 
 

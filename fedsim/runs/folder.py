@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from fedsim.runs.atomic import write_text_atomic
 from fedsim.scenario import dump_scenario
 
 
@@ -35,7 +36,7 @@ class RunFolder:
             path = parent / f"{scenario.name}-{stamp}-{suffix}"
         path.mkdir(parents=True)
         folder = cls(path)
-        folder.scenario_file.write_text(dump_scenario(scenario))
+        write_text_atomic(folder.scenario_file, dump_scenario(scenario))
         return folder
 
     @classmethod
@@ -45,7 +46,7 @@ class RunFolder:
         folder = cls(path)
         folder.path.mkdir(parents=True, exist_ok=True)
         if replace_scenario or not folder.scenario_file.exists():
-            folder.scenario_file.write_text(dump_scenario(scenario))
+            write_text_atomic(folder.scenario_file, dump_scenario(scenario))
         return folder
 
     @classmethod

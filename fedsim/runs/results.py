@@ -10,6 +10,7 @@ import platform
 from pathlib import Path
 
 from fedsim.devices import determinism_report
+from fedsim.runs.atomic import write_text_atomic
 from fedsim.privacy.local import LocalPrivacyLedger
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.lifecycle import backdoor_lifecycle
@@ -33,6 +34,13 @@ def append_round(run_dir: Path | RunFolder, record: dict) -> None:
         fh.write(json.dumps(_clean(record)) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def rewrite_rounds(run_dir: Path | RunFolder, records: list[dict]) -> None:
+    """Replace rounds.jsonl by `records` in one step (a resume dropping rounds it redoes, or a torn
+    last line): a kill while rewriting leaves the old file, whose lines the next resume reads again."""
+    text = "".join(json.dumps(_clean(r)) + "\n" for r in records)
+    write_text_atomic(RunFolder.of(run_dir).rounds_file, text)
 
 
 def read_rounds(run_dir: Path | RunFolder) -> list[dict]:
@@ -158,4 +166,4 @@ def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
 
 
 def write_summary(run_dir: Path | RunFolder, summary: dict) -> None:
-    RunFolder.of(run_dir).summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(RunFolder.of(run_dir).summary_file, json.dumps(summary, indent=2) + "\n")

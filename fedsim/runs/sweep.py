@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedsim.runs.atomic import write_text_atomic
 from fedsim.runs.folder import RunFolder
 from fedsim.scenario import ScenarioError, apply_overrides, read_yaml, validate_scenario
 
@@ -205,7 +206,7 @@ def sweep_dir(name: str, runs: list[SweepRun], parent: str | Path | None) -> Pat
 def prepare(run: SweepRun, folder: Path) -> Path:
     """The run's folder, with its resolved scenario (kept if already there: it may be resumed)."""
     run_dir = RunFolder.at(folder / run.name, run.scenario, replace_scenario=True).path
-    (run_dir / "sweep.json").write_text(_json(run.values) + "\n")
+    write_text_atomic(run_dir / "sweep.json", _json(run.values) + "\n")
     return run_dir
 
 

@@ -16,7 +16,7 @@ from fedsim.runs.checkpoint import load_server
 from fedsim.flower.stoppable_grid import RunStopped, StoppableGrid
 from fedsim.flower.options import EngineOptions
 from fedsim.runs.folder import RunFolder
-from fedsim.runs.results import append_round, every_round_skipped, read_rounds, rounds_torn, summarize, write_summary
+from fedsim.runs.results import append_round, every_round_skipped, read_rounds, rewrite_rounds, rounds_torn, summarize, write_summary
 from fedsim.runtime import runtime_for
 from fedsim.server.strategy import ScenarioStrategy
 from fedsim.tracking.trackers import Trackers
@@ -103,9 +103,7 @@ def prepare_resume(run_dir: RunFolder, strategy: ScenarioStrategy) -> int:
         strategy.resume_from(state)
     keep = [r for r in rounds if r["round"] <= done] if done else []  # nothing to resume: start afresh
     if len(keep) != len(rounds) or rounds_torn(run_dir):  # a torn last line goes too
-        run_dir.rounds_file.unlink(missing_ok=True)
-        for r in keep:
-            append_round(run_dir, r)
+        rewrite_rounds(run_dir, keep)
     return done
 
 
