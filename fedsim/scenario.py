@@ -8,6 +8,8 @@ Unknown keys are errors everywhere. `load_scenario` reads a file with `yaml.safe
 """
 
 import functools
+import hashlib
+import json
 import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -489,6 +491,13 @@ def _name_first(node: Any) -> Any:
 def scenario_dict(scenario) -> dict:
     """The resolved scenario as plain data, each component's `name` first."""
     return _name_first(scenario.model_dump(mode="json"))
+
+
+def scenario_fingerprint(scenario) -> str:
+    """A short SHA-256 of the resolved scenario, less `output` (where results go, not what they
+    are): a checkpoint written under one scenario is refused by a run of another."""
+    data = {k: v for k, v in scenario_dict(scenario).items() if k != "output"}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def dump_scenario(scenario) -> str:

@@ -111,11 +111,42 @@ def test_a_torn_last_line_is_dropped_and_its_round_redone(tmp_path):
         read_rounds(cut_dir)
 
 
-def test_a_damaged_newest_checkpoint_is_refused_and_the_older_one_used(tmp_path, caplog):
+DAMAGE = {
+    "truncated": lambda data: data[: len(data) // 2],
+    "one bit flipped": lambda data: data[:-100] + bytes([data[-100] ^ 0x04]) + data[-99:],
+    "header gone": lambda data: data[40:],
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_newest_checkpoint_is_refused_and_the_older_one_used(tmp_path, caplog, damage):
+    """A bit flipped deep in the tensor data still loads with torch.load: only the checksum sees it."""
+    import torch
+
     scenario, full_dir, cut_dir = killed_beside_full(tmp_path, 3)
     newest = RunFolder(cut_dir).checkpoints / "round-3.pt"
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    newest.write_bytes(DAMAGE[damage](newest.read_bytes()))
+    if damage == "one bit flipped":  # the payload alone would be taken as valid
+        from fedsim.runs.checkpoint import HEADER
+        torch.load(__import__("io").BytesIO(newest.read_bytes()[len(HEADER) + 32:]), weights_only=True)
     with caplog.at_level("WARNING", logger="fedsim"):
         summary = run(scenario, cut_dir)  # resumes after round 2, redoes round 3
-    assert any("round-3.pt is unreadable" in r.getMessage() for r in caplog.records)
+    assert any("round-3.pt is refused" in r.getMessage() for r in caplog.records)
     assert metrics(read_rounds(cut_dir)) == metrics(read_rounds(full_dir)) and summary["rounds_completed"] == 5
+
+
+def test_a_checkpoint_from_another_scenario_is_refused(tmp_path, caplog):
+    """round-3.pt copied in from a run of another seed: refused by its scenario fingerprint, the
+    run's own round-2 checkpoint is used and the result is this scenario's."""
+    import shutil
+
+    scenario, full_dir, cut_dir = killed_beside_full(tmp_path, 3)
+    other = load_scenario("scenarios/quickstart.yaml", OVERRIDES + ["seed=7"])
+    other_dir = RunFolder.create(other, tmp_path / "other").path
+    with pytest.raises(Killed):
+        run(other, other_dir, kill_after=3)
+    shutil.copy(RunFolder(other_dir).checkpoints / "round-3.pt", RunFolder(cut_dir).checkpoints / "round-3.pt")
+    with caplog.at_level("WARNING", logger="fedsim"):
+        run(scenario, cut_dir)
+    assert any("round-3.pt is refused: written by another scenario" in r.getMessage() for r in caplog.records)
+    assert metrics(read_rounds(cut_dir)) == metrics(read_rounds(full_dir))

@@ -10,12 +10,17 @@ side: a client that keeps memory between rounds (error-feedback residuals) keeps
 run, a restarted device), reads back the newest file from before the current round. Nothing about
 it travels in a message or depends on the server's disk. Files are written atomically (temp file,
 then rename) and only the newest two per owner are kept.
+
+A server checkpoint carries a SHA-256 of its content and the fingerprint of the scenario that
+wrote it (`fedsim.scenario.scenario_fingerprint`): a truncated or bit-flipped file, or one copied
+from another scenario's run, is refused with the reason and the next older one is used.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
-import os
 import re
 import zipfile
 from pathlib import Path
@@ -27,6 +32,8 @@ from fedsim.runs.atomic import write_atomic
 from fedsim.runs.folder import RunFolder
 
 KEEP = 2
+# A server checkpoint: this line, the SHA-256 of the rest (32 bytes), then a torch.save payload.
+HEADER = b"fedsim-checkpoint-2\n"
 log = logging.getLogger("fedsim")
 
 
@@ -50,29 +57,53 @@ def _rounds(folder: Path, pattern: str) -> list[tuple[int, Path]]:
 
 
 def save_server(run_dir: Path | RunFolder, rnd: int, global_vec: torch.Tensor, defense_states: dict[str, dict],
-                extra: dict | None = None) -> None:
-    """`extra`: plain data (ints, strings, tensors, dicts of them) such as the low-rank switch state."""
+                extra: dict | None = None, scenario_id: str = "") -> None:
+    """`extra`: plain data (ints, strings, tensors, dicts of them) such as the low-rank switch state;
+    `scenario_id`: the fingerprint of the scenario the run follows."""
     folder = server_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    payload = {"round": rnd, "global": global_vec.clone(), "defenses": defense_states, "extra": extra or {}}
-    write_atomic(folder / f"round-{rnd}.pt", lambda p: torch.save(payload, p))
+    payload = {"round": rnd, "global": global_vec.clone(), "defenses": defense_states, "extra": extra or {},
+               "scenario": scenario_id}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    body = buffer.getvalue()
+    write_atomic(folder / f"round-{rnd}.pt", lambda p: p.write_bytes(HEADER + hashlib.sha256(body).digest() + body))
     _prune(_rounds(folder, r"round-(\d+)\.pt"))
 
 
-def load_server(run_dir: Path | RunFolder, at_most: int) -> dict | None:
-    """The newest readable server checkpoint of a round <= `at_most`, or None. One that cannot be
-    read (truncated, damaged) is refused with the reason, logged, and the next older one used."""
+def read_server(path: Path, rnd: int, scenario_id: str | None = None) -> tuple[dict | None, str]:
+    """(the state, "") from a server checkpoint, or (None, why it cannot be used)."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        return None, f"unreadable ({err.strerror or err})"
+    digest_end = len(HEADER) + 32
+    if not data.startswith(HEADER) or len(data) < digest_end:
+        return None, "not a fedsim checkpoint (its header is missing: truncated, or written by something else)"
+    if hashlib.sha256(data[digest_end:]).digest() != data[len(HEADER):digest_end]:
+        return None, "damaged: its content does not match its SHA-256 (truncated or altered)"
+    try:
+        state = torch.load(io.BytesIO(data[digest_end:]), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001  (torch raises several kinds for a payload it cannot read)
+        return None, f"unreadable ({type(err).__name__}: {err})"
+    if not isinstance(state, dict) or state.get("round") != rnd or "global" not in state:
+        return None, f"does not hold round {rnd}'s server state"
+    if scenario_id is not None and state.get("scenario") != scenario_id:
+        return None, (f"written by another scenario (fingerprint {state.get('scenario') or 'none'}, "
+                      f"this run's {scenario_id})")
+    return state, ""
+
+
+def load_server(run_dir: Path | RunFolder, at_most: int, scenario_id: str | None = None) -> dict | None:
+    """The newest usable server checkpoint of a round <= `at_most` (of the scenario `scenario_id`
+    when given), or None. One that cannot be used (damaged, another scenario's) is refused with
+    the reason, logged, and the next older one used."""
     found = sorted(((r, p) for r, p in _rounds(server_dir(run_dir), r"round-(\d+)\.pt") if r <= at_most), reverse=True)
     for rnd, path in found:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001  (any unreadable file: torch raises several kinds)
-            log.warning("checkpoint %s is unreadable (%s: %s); using an older one", path, type(err).__name__, err)
-            continue
-        if not isinstance(state, dict) or state.get("round") != rnd or "global" not in state:
-            log.warning("checkpoint %s does not hold round %s's server state; using an older one", path, rnd)
-            continue
-        return state
+        state, why = read_server(path, rnd, scenario_id)
+        if state is not None:
+            return state
+        log.warning("checkpoint %s is refused: %s; using an older one", path, why)
     return None
 
 

@@ -18,6 +18,7 @@ from fedsim.flower.options import EngineOptions
 from fedsim.runs.folder import RunFolder
 from fedsim.runs.results import append_round, every_round_skipped, read_rounds, rewrite_rounds, rounds_torn, summarize, write_summary
 from fedsim.runtime import runtime_for
+from fedsim.scenario import scenario_fingerprint
 from fedsim.server.strategy import ScenarioStrategy
 from fedsim.tracking.trackers import Trackers
 
@@ -63,7 +64,7 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
     strategy = ScenarioStrategy(rt, on_round=on_round, checkpoint_to=run_dir if checkpoints else None,
                                         options=options, node_map=node_map, defer_last_round=defer_last_evaluation,
                                         real_clock=real_clock)
-    done = prepare_resume(run_dir, strategy) if checkpoints else 0
+    done = prepare_resume(run_dir, strategy, scenario) if checkpoints else 0
     if done < fed.rounds:
         strategy.discover_nodes(grid, timeout=fed.round_timeout)
         try:
@@ -91,13 +92,14 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
     return complete
 
 
-def prepare_resume(run_dir: RunFolder, strategy: ScenarioStrategy) -> int:
-    """Load the newest checkpoint that has its rounds.jsonl line; drop anything later. Returns its round.
+def prepare_resume(run_dir: RunFolder, strategy: ScenarioStrategy, scenario) -> int:
+    """Load the newest checkpoint of `scenario` that has its rounds.jsonl line; drop anything later.
+    Returns its round.
 
     Clients' own saved state from later rounds is theirs to drop (fedsim/runs/checkpoint.py)."""
     rounds = read_rounds(run_dir)
     last_line = max((r["round"] for r in rounds), default=0)
-    state = load_server(run_dir, at_most=last_line)
+    state = load_server(run_dir, at_most=last_line, scenario_id=scenario_fingerprint(scenario))
     done = int(state["round"]) if state is not None else 0
     if state is not None:
         strategy.resume_from(state)

@@ -29,6 +29,7 @@ from fedsim.lowrank.switch import LowRankSwitch
 from fedsim.privacy.local import LocalPrivacyLedger
 from fedsim.runs.checkpoint import save_server
 from fedsim.runs.detection import round_detection
+from fedsim.scenario import scenario_fingerprint
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.server.evaluation import CentralEvaluator
 from fedsim.server.optimizer import ServerOptimizer
@@ -304,7 +305,7 @@ class RoundDriver:
         if self.evaluator.shared is not None:  # the trigger the backdoor is measured with
             extra["backdoor_report"] = {k: torch.from_numpy(np.array(v)) for k, v in self.evaluator.shared.items()}
         defenses = self.pipeline.state_dict() if self.pipeline is not None else {}
-        save_server(self.checkpoint_to, rnd, self.global_vec, defenses, extra)
+        save_server(self.checkpoint_to, rnd, self.global_vec, defenses, extra, scenario_fingerprint(self.scenario))
 
     def resume_from(self, state: dict) -> None:
         """Continue after the checkpointed round: its global model, defense and optimizer states."""
