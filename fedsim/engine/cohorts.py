@@ -147,8 +147,20 @@ def process_cohort(messages: list, node_info_store, backend, metrics, f_stop) ->
         if isinstance(reply, BaseException):
             if not f_stop.is_set():
                 log.error("client %s: %s", message.metadata.dst_node_id, reply)
-            reply = Message(Error(code=flower_compat.error_code(reply), reason=f"{type(reply)}:<'{reply}'>"),
-                            reply_to=message)
+            reply = Message(Error(code=flower_compat.error_code(reply), reason=failure_reason(reply)), reply_to=message)
         flower_compat.stamp_message_id(reply, str(uuid4()))
         out.append(reply)
     return out
+
+
+def failure_reason(ex: BaseException) -> str:
+    """The reason an error reply gives: Flower's worker's wording, `<class>:<'message'>`, except for
+    a lost actor, which says what happened to the client in words before Ray's own message: its
+    actor's process died (killed, OOM-killed, crashed) or its node left the cluster, on the message's
+    try and on Ray's one retry (fedsim/engine/ray_start.py client_resources)."""
+    from ray.exceptions import RayActorError
+
+    if isinstance(ex, RayActorError):
+        return (f"the client's actor was lost while running this message, and again on its retry (its process "
+                f"died or its node left the Ray cluster): {type(ex).__name__}: {ex}")
+    return f"{type(ex)}:<'{ex}'>"

