@@ -494,9 +494,10 @@ def scenario_dict(scenario) -> dict:
 
 
 def scenario_fingerprint(scenario) -> str:
-    """A short SHA-256 of the resolved scenario, less `output` (where results go, not what they
-    are): a checkpoint written under one scenario is refused by a run of another."""
-    data = {k: v for k, v in scenario_dict(scenario).items() if k != "output"}
+    """A short SHA-256 of the scenario's values that differ from the defaults, less `output` (where
+    results go, not what they are): a checkpoint written under one scenario is refused by a run of
+    another, while a fedsim that adds a field with a default still resumes an older run."""
+    data = {k: v for k, v in scenario.model_dump(mode="json", exclude_defaults=True).items() if k != "output"}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -10,6 +10,7 @@ how to resume).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -40,3 +41,13 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def remove_temp_files(folder: Path, prefix: str = "") -> list[Path]:
+    """Delete the temp files of writes that a killed process never renamed (`.<name>.tmp<pid>`)
+    whose name starts with `prefix`; only call where no write can be under way. Returns them."""
+    folder = Path(folder)
+    gone = [p for p in folder.glob(f".{prefix}*") if re.fullmatch(r"\..+\.tmp\d+", p.name)] if folder.is_dir() else []
+    for path in gone:
+        path.unlink(missing_ok=True)
+    return gone

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedsim.runs.atomic import write_atomic
+from fedsim.runs.atomic import remove_temp_files, write_atomic
 from fedsim.runs.folder import RunFolder
 
 KEEP = 2
@@ -125,6 +125,7 @@ def load_client(state_dir: str | Path, pid: int, before_round: int) -> dict[str,
     Files from `before_round` on were written by a run that was killed before the server kept
     those rounds: the server is about to redo them, so they are deleted here, by the client. A file
     that cannot be read (damaged) is skipped with a warning for the next older one."""
+    remove_temp_files(Path(state_dir), prefix=f"{pid}-r")  # a write the client was killed in
     mine = _rounds(Path(state_dir), rf"{pid}-r(\d+)\.npz")
     for r, path in mine:
         if r >= before_round:

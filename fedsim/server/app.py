@@ -12,6 +12,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedsim.flower.compat import flower_log as flwr_log
+from fedsim.runs.atomic import remove_temp_files
 from fedsim.runs.checkpoint import load_server
 from fedsim.flower.stoppable_grid import RunStopped, StoppableGrid
 from fedsim.flower.options import EngineOptions
@@ -97,6 +98,8 @@ def prepare_resume(run_dir: RunFolder, strategy: ScenarioStrategy, scenario) -> 
     Returns its round.
 
     Clients' own saved state from later rounds is theirs to drop (fedsim/runs/checkpoint.py)."""
+    for folder in (run_dir.path, run_dir.checkpoints, run_dir.client_states):  # writes a killed run never finished
+        remove_temp_files(folder)
     rounds = read_rounds(run_dir)
     last_line = max((r["round"] for r in rounds), default=0)
     state = load_server(run_dir, at_most=last_line, scenario_id=scenario_fingerprint(scenario))

@@ -1,0 +1,219 @@
+"""Kill a real fedsim server process with SIGKILL between any two of its file-system writes, resume
+it, and compare with the uninterrupted run (tests/test_chaos_server.py, benchmarks/chaos.py).
+
+A child process (`python tests/kill_points.py child ...`) runs a scenario in a run folder with the
+real strategy over the in-process grid (fedsim.flower.local_grid; clients keep their memory in the
+run folder, as under `fedsim run`). A Python audit hook sees every write it makes there: a file
+opened for writing, a rename, a removal. Event number `kill_at` is not carried out: the hook sends
+the process SIGKILL first, as the kernel's OOM killer or a power cut would. A kill inside a write
+(a rounds.jsonl line or a checkpoint half written) is the kill at that file's opening followed by
+the bytes a cut write leaves: half of the line the uninterrupted run wrote there (`torn`).
+
+`campaign()` runs the scenario whole once (counting its writes), then once per kill point: killed,
+resumed in a fresh child, compared line by line (times left out), summary and final global model
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+# --- the child ---------------------------------------------------------------------------------------
+def _write_event(event: str, args: tuple, root: str) -> str | None:
+    """'open <path>' / 'rename <src> -> <dst>' / 'remove <path>' for a write under `root`, else None."""
+    if event == "open":
+        path, mode, flags = args
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return None
+        writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & WRITE_FLAGS)
+        path = os.path.abspath(os.fsdecode(path))
+        return f"open {os.path.relpath(path, root)}" if writes and path.startswith(root) else None
+    if event == "os.rename":
+        src, dst = (os.path.abspath(os.fsdecode(p)) for p in args[:2])
+        return f"rename {os.path.relpath(src, root)} -> {os.path.relpath(dst, root)}" if dst.startswith(root) else None
+    if event in ("os.remove", "os.truncate"):
+        path = os.path.abspath(os.fsdecode(args[0])) if isinstance(args[0], (str, bytes, os.PathLike)) else ""
+        return f"{event[3:]} {os.path.relpath(path, root)}" if path.startswith(root) else None
+    return None
+
+
+def install_killer(root: str, events_file: str, kill_at: int) -> list[str]:
+    """Record this process's writes under `root` (returned list); SIGKILL it before write number
+    `kill_at` (1-based; 0: never), after listing the writes so far in `events_file`."""
+    root = os.path.abspath(root) + os.sep
+    seen: list[str] = []
+
+    def hook(event: str, args: tuple) -> None:
+        what = _write_event(event, args, root)
+        if what is None:
+            return
+        seen.append(what)
+        if len(seen) == kill_at:
+            Path(events_file).write_text("\n".join(seen) + "\n")  # outside the run folder: not an event
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)
+    return seen
+
+
+def child(run_dir: str, events_file: str, kill_at: int) -> None:
+    """Run (or resume) the scenario in `run_dir` in this process over the in-process grid."""
+    from fedsim.client.app import make_client_app
+    from fedsim.flower.local_grid import LocalGrid
+    from fedsim.runs.folder import RunFolder
+    from fedsim.scenario import load_scenario
+    from fedsim.server.app import run_server
+
+    folder = RunFolder(run_dir)
+    scenario = load_scenario(folder.scenario_file)
+    app = make_client_app(scenario, folder.client_states)
+    grid = LocalGrid(app, scenario.federation.num_clients)
+    seen = install_killer(run_dir, events_file, kill_at)
+    run_server(grid, scenario, folder, checkpoints=True)
+    Path(events_file).write_text("\n".join(seen) + "\n")
+
+
+# --- the parent ----------------------------------------------------------------------------------------
+def run_child(run_dir: Path, events_file: Path, kill_at: int = 0, timeout: float = 300) -> int:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(Path(__file__)), "child", str(run_dir), str(events_file), str(kill_at)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise RuntimeError(f"child exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc.returncode
+
+
+@dataclass
+class KillPoint:
+    number: int  # the write it was killed before (1-based)
+    event: str
+    torn: bool = False  # and the file it was opening was left with half its next content
+
+    @property
+    def label(self) -> str:
+        return f"#{self.number} {self.event}" + (" (torn)" if self.torn else "")
+
+
+@dataclass
+class Outcome:
+    point: KillPoint
+    identical: bool
+    lines_lost: int
+    problems: list[str] = field(default_factory=list)
+
+
+def new_run(scenario, parent: Path, name: str) -> Path:
+    from fedsim.runs.folder import RunFolder
+
+    return RunFolder.at(parent / name, scenario).path
+
+
+def _final_state(run_dir: Path) -> tuple[list[dict], dict, bytes]:
+    import torch
+
+    from fedsim.runs.checkpoint import load_server
+    from fedsim.runs.folder import RunFolder
+    from fedsim.runs.results import read_rounds
+    from fedsim.server.record import without_times
+
+    folder = RunFolder(run_dir)
+    summary = json.loads(folder.summary_file.read_text())
+    for key in ("wall_seconds", "run_dir"):  # the clock's time and the folder's name differ between runs
+        summary.pop(key, None)
+    summary.get("backdoor_lifecycle", {}).pop("attacker_train_seconds", None)
+    rounds = read_rounds(folder)
+    state = load_server(folder, at_most=max(r["round"] for r in rounds))
+    return without_times(rounds), summary, state["global"].numpy().tobytes() if isinstance(state["global"], torch.Tensor) else b""
+
+
+def _tear(event: str, run_dir: Path, reference: Path) -> None:
+    """Leave what a kill in the middle of the write `event` (an opening) leaves: half a rounds.jsonl
+    line (appended in place), or a temp file never renamed."""
+    target = event.split(" ", 1)[1]
+    path = run_dir / target
+    if target == "rounds.jsonl":
+        have = path.read_text().count("\n") if path.exists() else 0
+        line = (reference / "rounds.jsonl").read_text().splitlines()[have]
+        with open(path, "a") as fh:
+            fh.write(line[: len(line) // 2])
+    else:
+        path.write_bytes(os.urandom(1000))
+
+
+def _no_pid(event: str) -> str:
+    """A write's description without the writer's process id (in temp files' names)."""
+    return re.sub(r"\.tmp\d+", ".tmp", event)
+
+
+def kill_points(events: list[str], tear: bool = True) -> list[KillPoint]:
+    """Every write a kill can come before, and each opening of rounds.jsonl or of a temp file again
+    with the write cut in half."""
+    points = [KillPoint(i + 1, e) for i, e in enumerate(events)]
+    if tear:
+        points += [KillPoint(i + 1, e, torn=True) for i, e in enumerate(events)
+                   if e == "open rounds.jsonl" or (e.startswith("open ") and ".tmp" in e)]
+    return points
+
+
+def campaign(scenario, workdir: Path, select=None, log=print) -> tuple[list[KillPoint], list[Outcome]]:
+    """Run `scenario` whole, then killed at each kill point (or those `select(points)` keeps) and
+    resumed; returns (all points, outcomes)."""
+    reference = new_run(scenario, workdir, "whole")
+    run_child(reference, workdir / "whole.events")
+    events = (workdir / "whole.events").read_text().splitlines()
+    points = kill_points(events)
+    chosen = select(points) if select is not None else points
+    expected = _final_state(reference)
+    outcomes = []
+    for k, point in enumerate(chosen):
+        cut = new_run(scenario, workdir, f"cut-{k}")
+        code = run_child(cut, workdir / f"cut-{k}.events", kill_at=point.number)
+        problems = [] if code == -signal.SIGKILL else [f"the child was not killed (exit {code})"]
+        seen = (workdir / f"cut-{k}.events").read_text().splitlines()
+        if [_no_pid(e) for e in seen] != [_no_pid(e) for e in events[: point.number]]:
+            problems.append(f"the killed run's writes differ from the whole run's: {seen[-1:]} vs {events[point.number - 1]}")
+        if point.torn:
+            _tear(seen[-1], cut, reference)
+        run_child(cut, workdir / f"resume-{k}.events")  # resume
+        got = _final_state(cut)
+        lost = sum(1 for line in expected[0] if line not in got[0])
+        for name, a, b in zip(("rounds.jsonl", "summary.json", "global model"), got, expected):
+            if a != b:
+                problems.append(f"{name} differs from the uninterrupted run's")
+        leftovers = [p.name for p in cut.rglob(".*.tmp*")]
+        if leftovers:
+            problems.append(f"temp files left: {leftovers}")
+        outcome = Outcome(point, identical=not problems, lines_lost=lost, problems=problems)
+        outcomes.append(outcome)
+        log(f"{point.label}: {'identical' if outcome.identical else '; '.join(problems)}")
+    return points, outcomes
+
+
+def cli_child(root: str, events_file: str, kill_at: int, argv: list[str]) -> int:
+    """`fedsim <argv>` (Ray-simulated clients) in this process, killed at write `kill_at` under `root`."""
+    from fedsim.cli import main
+
+    seen = install_killer(root, events_file, kill_at)
+    code = main(argv)
+    Path(events_file).write_text("\n".join(seen) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "child":
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif len(sys.argv) > 5 and sys.argv[1] == "cli":
+        sys.exit(cli_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]))
+    else:
+        sys.exit("usage: kill_points.py child RUN_DIR EVENTS_FILE KILL_AT | cli ROOT EVENTS_FILE KILL_AT FEDSIM-ARGS...")
