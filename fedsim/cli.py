@@ -590,20 +590,35 @@ def cmd_deploy(args) -> int:
             cmds.append(deploy.executor_cmd(runtime_api, poll_interval=args.poll_interval, preload=preload)
                         if args.executor == "fork" else deploy.superexec_cmd(runtime_api))
     else:
-        if args.file is None:
-            raise ScenarioError("fedsim deploy run", [("FILE", "a scenario file inside the Flower app directory is required", None)])
-        from fedsim.deploy.run_config import deployable
+        if args.file is None and args.resume is None:
+            raise ScenarioError("fedsim deploy run", [("FILE", "a scenario file inside the Flower app directory is required (or --resume DIR)", None)])
+        from fedsim.deploy.run_config import deployable, read_run_config
         from fedsim.scenario import load_scenario
 
-        try:  # a scenario on the federation clock is refused here, before any process starts
-            scenario = load_scenario(args.file, args.set)
-        except (OSError, ScenarioError):
-            scenario = None  # read where it runs, which reports what is wrong with it, as before
-        if scenario is not None:
-            deployable(scenario, str(args.file))
-        try:  # the app is the current directory's (or --app's); the scenario travels inside its FAB
-            app_dir = deploy.find_app_dir(args.app)
-            cmds.append(deploy.run_cmd("fedsim", args.file, args.set, args.output, app_dir=app_dir))
+        try:
+            resume = None if args.resume is None else deploy.resume_target(args.resume)
+            if args.file is None:  # --resume DIR alone: the scenario and --set options the run folder recorded
+                if args.set or args.output is not None:
+                    raise deploy.DeployError("--resume DIR alone takes the scenario, --set and --output of the run it "
+                                             "continues; to name them, pass FILE as well")
+                app_dir = deploy.find_app_dir(args.app, resume=True)
+                scenario_name, sets = read_run_config(args.resume)
+                cmds.append(deploy.run_cmd("fedsim", scenario_name, sets, None, app_dir=app_dir, resume_dir=resume,
+                                           in_app=True))
+                scenario_file, sets_given = app_dir / scenario_name, sets
+            else:
+                scenario_file, sets_given = args.file, args.set
+            try:  # a scenario on the federation clock is refused here, before any process starts
+                scenario = load_scenario(scenario_file, sets_given)
+            except (OSError, ScenarioError):
+                scenario = None  # read where it runs, which reports what is wrong with it, as before
+            if scenario is not None:
+                deployable(scenario, str(scenario_file))
+                if resume is not None:
+                    deploy.resumable(scenario)
+            if args.file is not None:  # the app is the current directory's (or --app's); the scenario travels inside its FAB
+                app_dir = deploy.find_app_dir(args.app, resume=resume is not None)
+                cmds.append(deploy.run_cmd("fedsim", args.file, args.set, args.output, app_dir=app_dir, resume_dir=resume))
         except deploy.DeployError as err:
             err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
             return 2
@@ -706,6 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: the current directory; it needs a pyproject.toml with [tool.flwr.app])")
     dep.add_argument("--health", default=None, metavar="ADDR",
                      help="superlink, supernode: start Flower's gRPC health service on ADDR (host:port, no TLS)")
+    dep.add_argument("--resume", default=None, metavar="DIR",
+                     help="run: continue a deployed run's folder (a path on the ServerApp's machine) after its last "
+                          "checkpointed round; alone, it reads the scenario and --set options the folder recorded")
     dep.add_argument("--dry-run", action="store_true", help="print the Flower commands and stop; writes nothing")
     dep.set_defaults(func=cmd_deploy)
 

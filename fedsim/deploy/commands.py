@@ -36,6 +36,9 @@ SOURCE_TREE = Path(__file__).resolve().parents[2]
 # What `fedsim deploy run` passes in `--run-config`: these keys must exist in the app's
 # [tool.flwr.app.config] (flwr refuses unknown keys).
 RUN_CONFIG_KEYS = ("scenario", "overrides", "output-dir")
+# Passed only by `fedsim deploy run --resume DIR` (so an app that lacks it still runs fresh):
+# the run folder, on the ServerApp's machine, that the ServerApp continues.
+RESUME_KEY = "resume-dir"
 # The scenario travels in the FAB, which ships only some file types (flwr 1.41: py, toml, md,
 # yaml/yml, json/jsonl, LICENSE); a scenario is YAML.
 SCENARIO_SUFFIXES = (".yaml", ".yml")
@@ -167,10 +170,10 @@ def source_app_dir() -> Path | None:
     return SOURCE_TREE if flower_app_config(SOURCE_TREE) is not None else None
 
 
-def find_app_dir(app: Path | None = None, cwd: Path | None = None) -> Path:
+def find_app_dir(app: Path | None = None, cwd: Path | None = None, resume: bool = False) -> Path:
     """The Flower app `flwr run` builds into a FAB and ships: `app` when given, else the current
     directory. It must hold a pyproject.toml with [tool.flwr.app] whose [tool.flwr.app.config]
-    declares the run config keys fedsim passes (RUN_CONFIG_KEYS)."""
+    declares the run config keys fedsim passes (RUN_CONFIG_KEYS, and RESUME_KEY with `resume`)."""
     where = Path(app) if app is not None else Path(cwd if cwd is not None else Path.cwd())
     config = flower_app_config(where)
     if config is None:
@@ -180,7 +183,7 @@ def find_app_dir(app: Path | None = None, cwd: Path | None = None) -> Path:
         raise DeployError(f"{given} holds no Flower app (a pyproject.toml with [tool.flwr.app]); run "
                           f"`fedsim deploy run` from the app's directory or pass --app DIR{hint}")
     declared = config.get("config") if isinstance(config.get("config"), dict) else {}
-    missing = [k for k in RUN_CONFIG_KEYS if k not in declared]
+    missing = [k for k in RUN_CONFIG_KEYS + ((RESUME_KEY,) if resume else ()) if k not in declared]
     if missing:
         raise DeployError(f"{where.resolve() / 'pyproject.toml'}: [tool.flwr.app.config] lacks {', '.join(missing)}; "
                           f"flwr run refuses run config keys the app does not declare. Add: "
@@ -213,29 +216,57 @@ def scenario_in_app(scenario: Path, app_dir: Path, cwd: Path | None = None) -> s
     return str(PurePosixPath(*found.relative_to(app_dir).parts))
 
 
-def run_config(scenario: str, overrides: list[str] | None = None, output_dir: str | Path | None = None) -> str:
+def run_config(scenario: str, overrides: list[str] | None = None, output_dir: str | Path | None = None,
+               resume_dir: str | Path | None = None) -> str:
     """The `--run-config` of a fedsim run: the scenario (relative to the app directory), the
     `--set` overrides, and the output folder, which is a path on the ServerApp's machine and
-    passed as given (a relative one is relative to the directory its SuperLink was started in)."""
+    passed as given (a relative one is relative to the directory its SuperLink was started in).
+    `resume_dir`: the run folder (on the ServerApp's machine) to continue instead of a new one."""
     joined = ";".join(overrides or []).replace('"', "'")
     config = f'scenario="{scenario}" overrides="{joined}"'
     if output_dir is not None:
         config += f' output-dir="{output_dir}"'
+    if resume_dir is not None:
+        config += f' {RESUME_KEY}="{resume_dir}"'
     return config
 
 
-def run_cmd(connection: str, scenario: Path, overrides: list[str] | None = None, output_dir: Path | None = None,
-            stream: bool = True, app_dir: Path | None = None) -> list[str]:
+def run_cmd(connection: str, scenario: Path | str, overrides: list[str] | None = None, output_dir: Path | None = None,
+            stream: bool = True, app_dir: Path | None = None, resume_dir: str | Path | None = None,
+            in_app: bool = False) -> list[str]:
     """`flwr run` of the Flower app at `app_dir` (default: fedsim's source tree) against a
-    connection, with the scenario (a file inside the app directory) chosen by run config."""
+    connection, with the scenario (a file inside the app directory) chosen by run config.
+    `in_app`: `scenario` is already the path relative to the app directory (what a run folder's
+    run_config.json records), not a file to look for from here. `resume_dir`: see `run_config`."""
     if app_dir is None:
         app_dir = source_app_dir()
         if app_dir is None:
             raise DeployError(f"fedsim at {SOURCE_TREE} is not a source tree: name the Flower app directory")
-    app_dir = find_app_dir(app_dir)
-    config = run_config(scenario_in_app(scenario, app_dir), overrides, output_dir)
+    app_dir = find_app_dir(app_dir, resume=resume_dir is not None)
+    name = str(scenario) if in_app else scenario_in_app(Path(scenario), app_dir)
+    config = run_config(name, overrides, output_dir, resume_dir)
     cmd = ["flwr", "run", str(app_dir), connection, "--run-config", config]
     return cmd + (["--stream"] if stream else [])
+
+
+def resume_target(run_dir: str | Path) -> str:
+    """The run folder `--resume` names, as the run config passes it to the ServerApp: absolute when
+    it lies on this machine (the ServerApp's machine, run from anywhere), else as given."""
+    path = Path(run_dir)
+    return str(path.resolve()) if path.exists() else str(run_dir)
+
+
+def resumable(scenario) -> None:
+    """DeployError unless a deployed run of `scenario` can be resumed (the ServerApp checks the same
+    again, with the run folder: fedsim/deploy/run_config.py: resumed_folder)."""
+    from fedsim.clock.asynchrony import ASYNCHRONOUS
+
+    if not scenario.output.checkpoints:
+        raise DeployError("the scenario has output.checkpoints off: its runs keep no checkpoint to resume from")
+    systems = scenario.systems
+    if systems is not None and isinstance(systems.round, ASYNCHRONOUS):
+        raise DeployError(f"an asynchronous round (systems.round={systems.round.name}) cannot resume on a SuperLink: "
+                          "its messages in flight were the link's and are gone; start the run again")
 
 
 def run_and_check(cmd: list[str], connection: str, env: dict[str, str]) -> int:
@@ -245,15 +276,19 @@ def run_and_check(cmd: list[str], connection: str, env: dict[str, str]) -> int:
     import json
 
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run_id = None
+    run_id = folder = None
     for line in proc.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()
         found = re.search(r"started run (\d+)", line)
         if found and run_id is None:
             run_id = found.group(1)
+        found = re.search(r"fedsim: run folder (.+) \(on this machine\)", line)
+        if found:
+            folder = found.group(1).strip()
     code = proc.wait()
     if code != 0 or run_id is None:
+        resume_hint(folder)
         return code or 1
     ls = subprocess.run(["flwr", "ls", connection, "--run-id", run_id, "--format", "json"], env=env,
                         capture_output=True, text=True)
@@ -261,11 +296,39 @@ def run_and_check(cmd: list[str], connection: str, env: dict[str, str]) -> int:
         status = json.loads(ls.stdout)["runs"][0]["status"]
     except (ValueError, KeyError, IndexError, TypeError):
         print(f"could not read the status of run {run_id}: {ls.stdout[-500:]}{ls.stderr[-500:]}", file=sys.stderr)
+        resume_hint(folder)
         return 1
     if not status.endswith(":completed"):
         print(f"run {run_id} ended {status}; see the log above or `flwr log {run_id} {connection}`", file=sys.stderr)
+        resume_hint(folder)
         return 1
     return 0
+
+
+def resume_hint(folder: str | None) -> None:
+    """After a deployed run that did not complete: how to continue it, when its run folder (named
+    by the ServerApp's log) may be resumed. Nothing when the run wrote its summary (it ended: a run
+    whose every round was skipped fails, and resuming would only reload its checkpoint) or when it
+    keeps no checkpoints. A folder this machine cannot see (the ServerApp's machine is another)
+    gets the hint as well, to be run there."""
+    if folder is None:
+        return
+    path = Path(folder)
+    if (path / "summary.json").exists():
+        return
+    if (path / "scenario.yaml").is_file():
+        import yaml
+
+        try:
+            keeps = (yaml.safe_load((path / "scenario.yaml").read_text()).get("output") or {}).get("checkpoints", True)
+        except (OSError, yaml.YAMLError, AttributeError):
+            keeps = True
+        if not keeps:
+            print(f"the run's folder is {path} (output.checkpoints is off: it cannot be resumed)", file=sys.stderr)
+            return
+    where = "" if path.exists() else " (on the ServerApp's machine)"
+    print(f"the run did not complete; its rounds so far are in {path}{where}. Continue it with: "
+          f"fedsim deploy run --resume {path}", file=sys.stderr)
 
 
 def deploy_env(flwr_home: Path | None = None) -> dict[str, str]:

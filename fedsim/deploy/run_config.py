@@ -97,3 +97,67 @@ def scenario_from_context(context: Context):
     overrides = [item.strip() for item in str(cfg.get("overrides", "")).split(";") if item.strip()]
     path = scenario_path(str(cfg["scenario"]))
     return deployable(load_scenario(path, overrides), str(path))
+
+
+# --- resuming a deployed run (`fedsim deploy run --resume DIR`) -------------------------------------
+# What the ServerApp was started with, kept in its run folder so that `fedsim deploy run --resume
+# DIR` (on the ServerApp's machine) can start the same run again without the scenario and `--set`s.
+RUN_CONFIG_FILE = "run_config.json"
+
+
+def record_run_config(folder, context: Context) -> None:
+    """Write the run config's scenario and overrides into the run folder (RUN_CONFIG_FILE)."""
+    import json
+
+    from fedsim.runs.atomic import write_text_atomic
+
+    cfg = context.run_config
+    data = {"scenario": str(cfg.get("scenario", "")), "overrides": str(cfg.get("overrides", ""))}
+    write_text_atomic(Path(folder.path) / RUN_CONFIG_FILE, json.dumps(data, indent=1) + "\n")
+
+
+def read_run_config(run_dir: Path) -> tuple[str, list[str]]:
+    """The scenario (relative to the app directory) and the overrides a deployed run was started
+    with, from its run folder; DeployError when the folder holds none (not on this machine, or
+    not a deployed run)."""
+    import json
+
+    from fedsim.deploy.commands import DeployError
+
+    path = Path(run_dir) / RUN_CONFIG_FILE
+    try:
+        data = json.loads(path.read_text())
+        scenario, overrides = str(data["scenario"]), str(data["overrides"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DeployError(f"{path} cannot be read ({type(err).__name__}: {err}): --resume DIR needs the run folder "
+                          "of a deployed run on this machine; elsewhere pass the scenario and the --set options "
+                          "of the first run as well: fedsim deploy run FILE --set ... --resume DIR") from None
+    return scenario, [item.strip() for item in overrides.split(";") if item.strip()]
+
+
+def resumed_folder(run_dir: str, scenario):
+    """The run folder a deployed ServerApp continues (run config `resume-dir`), checked against the
+    scenario the run config names: the SuperNodes train on that one, so it must be the scenario the
+    folder's rounds were trained on (its scenario.yaml; `output` aside, which says where results go)."""
+    from fedsim.runs.folder import RunFolder
+    from fedsim.scenario import read_yaml, scenario_dict, validate_scenario
+
+    folder = RunFolder(Path(run_dir))
+    if not folder.scenario_file.is_file():
+        raise ScenarioError("run config", [("resume-dir", "is not a run folder on the ServerApp's machine (no "
+                                            "scenario.yaml there)", run_dir)])
+    kept = validate_scenario(read_yaml(folder.scenario_file), str(folder.scenario_file))
+    before, now = scenario_dict(kept), scenario_dict(scenario)
+    differs = sorted(k for k in before.keys() | now.keys() if k != "output" and before.get(k) != now.get(k))
+    if differs:
+        raise ScenarioError("run config", [("resume-dir", f"its scenario.yaml differs from the scenario and overrides "
+                                            f"of this run in {', '.join(differs)}: resume with the scenario and --set "
+                                            "options the run was started with", run_dir)])
+    if not kept.output.checkpoints:
+        raise ScenarioError("run config", [("resume-dir", "the run was started with output.checkpoints off: it kept "
+                                            "no checkpoint to resume from", run_dir)])
+    if isinstance(getattr(kept.systems, "round", None), ASYNCHRONOUS):
+        raise ScenarioError("run config", [("resume-dir", f"an asynchronous round (systems.round="
+                                            f"{kept.systems.round.name}) cannot resume on a SuperLink: its messages in "
+                                            "flight were the link's and are gone; start the run again", run_dir)])
+    return folder

@@ -202,19 +202,25 @@ def make_server_app(scenario=None, run_dir: Path | RunFolder | None = None, prog
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         scen = scenario if scenario is not None else scenario_from_context(context)
-        if run_dir is None:  # under `flwr run` the ServerApp starts the run: the run config may name the parent folder
-            folder = RunFolder.create(scen, context.run_config.get("output-dir") or None)
+        keep = checkpoints
+        if run_dir is None:  # under `flwr run` the ServerApp starts the run (or continues one: `resume-dir`)
+            folder, keep = deployed_run_folder(scen, context)
         else:
             folder = RunFolder.of(run_dir)
         report = progress
         if report is None and scenario is None:  # under `flwr run`: each round's row in the ServerApp's log
             report = log_rounds(scen.federation.rounds)
-            flwr_log(logging.INFO, "fedsim: run folder %s (on this machine)", folder.path)
+            flwr_log(logging.INFO, "fedsim: run folder %s (on this machine)", folder.path.resolve())
         if stop is not None:
             grid = StoppableGrid(grid, stop, options.reply_poll_seconds)
         try:
             if on_rounds_done is None:
-                summary = run_server(grid, scen, folder, report, checkpoints, real_clock=scenario is None)
+                try:
+                    summary = run_server(grid, scen, folder, report, keep, real_clock=scenario is None)
+                except BaseException as err:  # noqa: BLE001 - logged, then raised as it came
+                    if scenario is None and not isinstance(err, RunStopped):
+                        log_resume_hint(folder, keep, err)
+                    raise
                 if summary.get("failure"):  # under `flwr run`: the run ends as failed (fedsim's simulation: the CLI's exit code)
                     raise RuntimeError(f"{summary['failure']} (results in {folder.path})")
             else:
@@ -227,6 +233,44 @@ def make_server_app(scenario=None, run_dir: Path | RunFolder | None = None, prog
                 finished.set()
 
     return app
+
+
+def deployed_run_folder(scenario, context: Context) -> tuple[RunFolder, bool]:
+    """The run folder of a ServerApp under `flwr run`, and whether it keeps checkpoints.
+
+    A fresh folder under the run config's `output-dir` (default: `output.dir`), holding the run
+    config it was started with, so that `fedsim deploy run --resume DIR` can start it again; or,
+    with `resume-dir`, that folder, continued after its last checkpointed round (checked against
+    this run's scenario first: fedsim/deploy/run_config.py: resumed_folder). Checkpoints follow
+    `output.checkpoints`: the server's state only (each device keeps its own, `--state-dir`)."""
+    from fedsim.deploy.run_config import record_run_config, resumed_folder
+
+    resume = str(context.run_config.get("resume-dir", "") or "")
+    if resume:
+        folder = resumed_folder(resume, scenario)
+        flwr_log(logging.INFO, "fedsim: resuming the run in %s after its last checkpointed round", folder.path)
+        return folder, True
+    folder = RunFolder.create(scenario, context.run_config.get("output-dir") or None)
+    record_run_config(folder, context)
+    return folder, scenario.output.checkpoints
+
+
+def log_resume_hint(folder: RunFolder, checkpoints: bool, err: BaseException) -> None:
+    """A deployed run that ends without finishing (its SuperLink gone or restarted, the run stopped,
+    the process interrupted): say through Flower's logger what it kept and how to continue it.
+    Best effort: when the SuperLink is gone, only the ServerApp's own console gets the line, which
+    is why `fedsim deploy run` says it too (fedsim/deploy/commands.py: run_and_check)."""
+    try:
+        kept = [r["round"] for r in read_rounds(folder) if r["round"] > 0] if folder.rounds_file.exists() else []
+    except (OSError, ValueError):
+        kept = []
+    what = f"rounds 1-{max(kept)}" if kept else "no completed round"
+    if checkpoints:
+        flwr_log(logging.ERROR, "fedsim: the run stopped (%s) with %s in %s; continue it with: fedsim deploy run "
+                 "--resume %s", type(err).__name__, what, folder.path, folder.path.resolve())
+    else:
+        flwr_log(logging.ERROR, "fedsim: the run stopped (%s) with %s in %s (output.checkpoints is off: it cannot "
+                 "be resumed)", type(err).__name__, what, folder.path)
 
 
 def log_rounds(rounds: int) -> Callable[[dict], None]:
