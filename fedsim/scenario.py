@@ -98,6 +98,10 @@ class FederationSection(Section):
     client_gpus: GpuShare = Field(
         0.0, ge=0, le=64, description="GPU share of each Ray client actor (0.25: four clients per GPU); 0: no GPU "
         "for the simulation's clients (docs/gpu.md)")
+    client_memory_gb: float | None = Field(
+        None, gt=0, le=1_000_000, description="the most memory (GB) a client's process may hold while it runs a message, "
+        "its resident set measured as it runs: over it the message fails with the limit and the peak as the reason, and "
+        "the run goes on; also each Ray client actor's `memory` resource (default: no limit; docs/performance.md)")
     device: DeviceName = Field(
         "auto", description="where honest clients train: auto (CUDA when the client has a GPU, else CPU), cpu, cuda, "
         "cuda:N; attackers train on CPU (docs/gpu.md)")

@@ -11,7 +11,8 @@ from fedsim.client.app import make_client_app
 
 def client_app_with_failures(scenario, before_train: Callable[[int, int], None]) -> ClientApp:
     """`before_train(partition_id, server_round)` runs first in every train handler; it may raise
-    or kill the process. Queries and everything else go to the scenario's own ClientApp."""
+    or kill the process, and what it returns (a large tensor, say) is held until the training
+    ends. Queries and everything else go to the scenario's own ClientApp."""
     inner = make_client_app(scenario)
     app = ClientApp()
 
@@ -21,7 +22,10 @@ def client_app_with_failures(scenario, before_train: Callable[[int, int], None])
 
     @app.train()
     def train(msg, context):
-        before_train(int(context.node_config["partition-id"]), int(msg.content["config"]["server-round"]))
-        return inner(msg, context)
+        held = before_train(int(context.node_config["partition-id"]), int(msg.content["config"]["server-round"]))
+        try:
+            return inner(msg, context)
+        finally:
+            del held
 
     return app

@@ -126,3 +126,68 @@ def test_a_client_worker_killed_from_outside_mid_round(tmp_path):
     first_written = killer.kills[0][4]
     assert [json.loads(line)["round"] for line in first_written.decode().splitlines()] == [1]
     assert (run_dir / "rounds.jsonl").read_bytes().startswith(first_written)
+
+
+def test_the_memory_watchdog_interrupts_a_growing_process():
+    """In this process: under a limit 0.5 GB above what it holds now, a loop that keeps 100 MB
+    tensors (60 of them would be 6 GB) is interrupted within a few of them, with the limit and the
+    peak in the error; the memory is given back; a call that stays under the limit returns its result."""
+    import torch
+
+    from fedsim.client.memory_limit import GB, MemoryLimitExceeded, resident_bytes, run_limited
+
+    held = []
+
+    def grow():
+        for _ in range(60):
+            held.append(torch.ones(25 * 1024**2))  # 100 MB, every page touched
+        return "never"
+
+    limit = round(resident_bytes() / GB + 0.5, 2)
+    with pytest.raises(MemoryLimitExceeded) as failure:
+        run_limited(limit, grow)
+    assert 5 <= len(held) <= 12, len(held)  # stopped a sample or so after crossing the limit
+    peak = float(str(failure.value).split("(peak ")[1].split(" GB")[0])
+    assert str(failure.value).startswith(f"client exceeded federation.client_memory_gb={limit:g} (peak ")
+    assert limit < peak < limit + 0.5
+    held.clear()
+    assert resident_bytes() / GB < limit - 0.3
+    assert run_limited(limit, lambda: float(torch.ones(1000).sum())) == 1000.0
+    assert run_limited(None, lambda: "no limit") == "no limit"
+
+
+@pytest.mark.simulation
+def test_a_client_over_client_memory_gb_fails_its_message_and_the_run_goes_on(tmp_path):
+    """federation.client_memory_gb=1.5: in round 1, partition 2's process holds 1.6 GB more while it
+    trains (a tensor its hook allocates). That message fails with the limit and the peak as the
+    reason; the other clients and round 2 are untouched: every round's figures are those of a run
+    without the limit in which partition 2's round-1 message fails by raising."""
+    import torch
+
+    from failing_app import client_app_with_failures
+
+    limit = 1.5
+    results = {}
+    for case in ("memory", "raise"):
+        scenario = small_scenario("federation.rounds=2",
+                                  *([f"federation.client_memory_gb={limit}"] if case == "memory" else []))
+
+        def before_train(pid, rnd, case=case):
+            if (pid, rnd) != (2, 1):
+                return None
+            if case == "raise":
+                raise RuntimeError("partition 2 fails round 1")
+            return torch.ones(int(1.6 * 1024**3) // 4)  # every page touched: resident while it trains
+
+        app = client_app_with_failures(scenario, before_train)
+        results[case] = read_rounds(simulate(scenario, run_dir=tmp_path / case, client_app=app))
+    rounds = results["memory"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    reason = rounds[0]["rejected"]["2"]
+    assert rounds[0]["rejected"].keys() == {"2"} and f"client exceeded federation.client_memory_gb={limit:g} (peak " in reason
+    peak = float(reason.split("(peak ")[1].split(" GB")[0])
+    assert limit < peak < limit + 2.0, reason
+    assert rounds[0]["aggregated"] == [0, 1, 3, 4, 5] and not rounds[1]["rejected"]
+    assert rounds[1]["aggregated"] == [0, 1, 2, 3, 4, 5]
+    figures = ("aggregated", "main_accuracy", "main_loss", "bytes_up")
+    assert [{k: r[k] for k in figures} for r in rounds] == [{k: r[k] for k in figures} for r in results["raise"]]

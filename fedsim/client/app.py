@@ -27,6 +27,7 @@ from flwr.clientapp import ClientApp
 
 from fedsim.client.cohort import prepare_cohort
 from fedsim.client.lightsecagg import lightsecagg_mod
+from fedsim.client.memory_limit import run_limited
 from fedsim.client.secure import secure_aggregation_mod
 from fedsim.client.steps import ClientCall, partition_id, scenario_for_node
 from fedsim.flower.compat import flower_log as flwr_log
@@ -89,7 +90,8 @@ def make_client_app(scenario=None, state_dir: str | Path | None = None) -> Clien
         torch.set_num_threads(max(1, int(rt.scenario.federation.client_cpus)))
         protocol = protocol_for(rt.scenario)  # the registered round protocol: its client step answers
         call = ClientCall(rt, partition_id(context), msg, context, state_folder(context, default_state_dir))
-        reply, what = protocol.load("client_step")(call)
+        # the client step under federation.client_memory_gb (fedsim/client/memory_limit.py): over it, this message fails
+        reply, what = run_limited(rt.scenario.federation.client_memory_gb, lambda: protocol.load("client_step")(call))
         say(logging.INFO, "%s partition %d %s, %.2f s", step_name(msg), call.pid, what, time.perf_counter() - started)
         return reply
 

@@ -8,7 +8,9 @@ on exactly the batches it would get alone. Their updates wait in the runtime's c
 (fedsim/cohort/store.py); when each message is then answered as usual, `local_update` takes its
 client's update from there instead of training (local DP, the codec, the memory and the reply are unchanged). Attackers and
 clients on their own data train alone, as before, and so does a whole cohort whose model or
-settings cannot be vectorised (BatchNorm, LSTMs, fp16), with the reason logged once.
+settings cannot be vectorised (BatchNorm, LSTMs, fp16), with the reason logged once. A cohort whose
+training takes its process over `federation.client_memory_gb` (fedsim/client/memory_limit.py) trains
+one by one too, each message then under the limit on its own.
 
 Under DETOX's redundancy, group members that train on one shard with one seed are trained once
 and share the result, so they still agree bit for bit.
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fedsim.client.memory_limit import run_limited
 from fedsim.client.steps import (
     LocalResult, attacking, local_data_path, model_ranks, partition_id, round_steps, round_train_config, scenario_for_node,
 )
@@ -96,8 +99,8 @@ def prepare_cohort(scenario, messages: list, contexts: list) -> None:
                 group = Group(rt, rnd, ranks, start, steps)
                 groups.append(group)
             group.clients.append((pid, int(config.get("data-partition", pid))))
-        for group in groups:
-            train_group(group)
+        # under federation.client_memory_gb: a cohort that goes over it trains its clients one by one
+        run_limited(scenario.federation.client_memory_gb, lambda: [train_group(group) for group in groups])
     except Exception as ex:  # noqa: BLE001  (the clients then train one by one, as they always could)
         log.warning("a cohort could not train together (%s: %s); its clients train one by one", type(ex).__name__, ex)
         for store in stores:

@@ -50,9 +50,40 @@ def client_resources(scenario) -> dict:
     With `max_restarts` and `max_task_retries` a crashed actor (segfault, OOM kill, a lost cluster
     node) is restarted by Ray and the message it was running is retried once there (a client that
     crashes again is reported as rejected). Without them Flower's pool keeps handing the dead actor
-    later messages, and every one fails for the rest of the run."""
-    return {"num_cpus": scenario.federation.client_cpus, "num_gpus": scenario.federation.client_gpus,
-            "max_restarts": -1, "max_task_retries": 1}
+    later messages, and every one fails for the rest of the run.
+
+    `federation.client_memory_gb` is declared as the actor's `memory` (bytes): Ray then places no
+    more client actors on a node than their limits fit in its memory resource (the limit itself is
+    enforced in the client's process, fedsim/client/memory_limit.py; Ray's `memory` only schedules),
+    and `actor_pool_size` creates no more actors than the cluster can place."""
+    fed = scenario.federation
+    resources = {"num_cpus": fed.client_cpus, "num_gpus": fed.client_gpus, "max_restarts": -1, "max_task_retries": 1}
+    if fed.client_memory_gb:
+        resources["memory"] = int(fed.client_memory_gb * 1024**3)
+    return resources
+
+
+def actor_pool_size(client_resources: dict) -> int:
+    """How many client actors of `client_resources` the running Ray cluster can place: Flower's rule
+    (node by node, the actors its CPUs and GPUs fit), with the actors' `memory` counted as well.
+    Flower's own rule ignores `memory`, so an actor beyond what the nodes' memory fits would be
+    created anyway, never placed, and the messages handed to it would wait for ever."""
+    import ray
+
+    total = 0
+    for node in ray.nodes():
+        have = node.get("Resources") or {}
+        if not have or not node.get("Alive", True):  # a node that left the cluster
+            continue
+        fits = int(have.get("CPU", 0) / client_resources["num_cpus"])
+        if client_resources.get("num_gpus", 0) > 0:
+            fits = min(fits, int(have.get("GPU", 0) / client_resources["num_gpus"]))
+        if client_resources.get("memory", 0) > 0:
+            fits = min(fits, int(have.get("memory", 0) / client_resources["memory"]))
+        total += fits
+    if total == 0:
+        raise ValueError(f"no node of the Ray cluster can host a client with resources {client_resources}")
+    return total
 
 
 def workers_pythonpath() -> str:

@@ -27,6 +27,9 @@ wrapped or replaced, and restored afterwards:
   start-up to a job with a runtime environment: it starts new ones when the actors are created
   (~0.8 s later to the first client, measured). `start_local_ray` starts it without one;
   attaching to an existing cluster still goes through Flower's start, runtime environment and all;
+* the actor pool's size: Flower fits actors to the nodes' CPUs and GPUs only; fedsim's rule
+  (fedsim/engine/ray_start.py `actor_pool_size`) also counts `federation.client_memory_gb`, the
+  actors' `memory`, so that no actor is created that Ray cannot place;
 * the engine's two queues: its worker threads wait on them up to 1 s before they look at the stop
   event, so the engine stopped (and Ray's shutdown began) up to a second after the ServerApp had
   finished; the queues used during `simulate` cap that wait at `EngineOptions.queue_wait_seconds`.
@@ -65,7 +68,7 @@ from fedsim.flower.stoppable_grid import RunStopped
 from fedsim.flower.options import EngineOptions
 from fedsim.engine.ray_actor import CompactClientApp, client_actor_class
 from fedsim.engine.ray_start import (  # noqa: F401  (also imported from here by the engine's callers)
-    OBJECT_STORE_BYTES, client_resources, init_local_ray, quiet_logs, ray_address, single_threaded_openblas,
+    OBJECT_STORE_BYTES, actor_pool_size, client_resources, init_local_ray, quiet_logs, ray_address, single_threaded_openblas,
     workers_pythonpath,
 )
 from fedsim.preflight import preflight
@@ -328,7 +331,7 @@ def engine_adjustments(options: EngineOptions = EngineOptions(), after_ray_init:
     with NODE_MAPS.lock:
         NODE_MAPS.active += 1
     adjusted = {"register_nodes": register_nodes, "node_info_stores": node_info_stores, "deliver": deliver, "terminate_all_actors": terminate_all_actors,
-                "queue": prompt_stop_queue(options.queue_wait_seconds)}
+                "queue": prompt_stop_queue(options.queue_wait_seconds), "pool_size": actor_pool_size}
     if options.prestarted_workers:
         adjusted["init_ray"] = start_local_ray(flower["init_ray"], after_ray_init, options.malloc_settings)
     if light_actor is not None:

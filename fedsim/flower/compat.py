@@ -6,9 +6,10 @@ all here, so that a Flower upgrade means reading one file and running one test
 (`tests/test_flower_compat.py`, which fails naming every probe that no longer holds):
 
 * `simulation-engine`: fedsim's simulation adjustments (fedsim/engine/simulate.py) replace or wrap,
-  through `set_engine_members` here, eight members of Flower's simulation engine (node registration
+  through `set_engine_members` here, nine members of Flower's simulation engine (node registration
   and the nodes' run-info stores, message delivery, the worker queues and the workers themselves
-  (cohorts: one actor task for several messages), actor shutdown and class, Ray's start); nodes are
+  (cohorts: one actor task for several messages), actor shutdown and class, the actor pool's size
+  (memory counted), Ray's start); nodes are
   registered one at a time, when first messaged, by `register_node` and `node_info_store`.
   Fallback: the engine runs as shipped (correct, slower at scale).
 * `actor-contract`: the exceptions Flower's client actors raise (`ClientAppException`,
@@ -73,7 +74,8 @@ PROBES = {
         Probe("simulation-engine", "node map, one-scan delivery, prompt stop, light actors, Ray without a job runtime env",
               (f"{_VCE}:_register_nodes", f"{_VCE}:add_messages_to_queue", f"{_VCE}:Queue",
                f"{_RAYBACKEND}:ClientAppActor", f"{_RAYBACKEND}:RayBackend.init_ray",
-               f"{_POOL}:BasicActorPool.terminate_all_actors", f"{_VCE}:worker", f"{_VCE}:VceMetrics",
+               f"{_POOL}:BasicActorPool.terminate_all_actors", f"{_POOL}:pool_size_from_resources", f"{_VCE}:worker",
+               f"{_VCE}:VceMetrics",
                "flwr.common.constant:ErrorCode", f"{_RAYBACKEND}:RayBackend.process_message",
                f"{_LINKSTATE}:InMemoryLinkState._check_stored_messages",
                f"{_LINKSTATE}:InMemoryLinkState.get_message_ins", "flwr.supercore.date:now",
@@ -139,6 +141,7 @@ ENGINE_MEMBERS = {
     "init_ray": (f"{_RAYBACKEND}:RayBackend", "init_ray"),
     "terminate_all_actors": (f"{_POOL}:BasicActorPool", "terminate_all_actors"),
     "worker": (_VCE, "worker"),
+    "pool_size": (_POOL, "pool_size_from_resources"),
 }
 
 
