@@ -305,6 +305,13 @@ def cmd_run(args) -> int:
             if engine is not None:  # Ray shuts down under fedsim's handlers: a second Ctrl-C exits at once
                 engine.close()
             return code
+        except OSError as err:
+            if "run_dir" not in locals() or not _names_a_file_in(err, run_dir):
+                raise
+            code = write_failed(err, scenario, run_dir)
+            if engine is not None:
+                engine.close()
+            return code
     if engine is not None:  # Ray shuts down while the results are printed
         args.later.callback(engine.close_in_background().join)
     print_wide(round_table(read_rounds(run_dir), f"{scenario.name} (seed {scenario.seed})"))
@@ -386,6 +393,29 @@ def stopped(code: int, scenario, run_dir: Path | None, fresh: bool) -> int:
     if not wait_for_threads(5.0):
         exit_now(code)
     return code
+
+
+def _names_a_file_in(err: OSError, folder: Path) -> bool:
+    if err.filename is None:
+        return False
+    path = Path(os.fsdecode(err.filename)).resolve()
+    return path.is_relative_to(Path(folder).resolve())
+
+
+def write_failed(err: OSError, scenario, run_dir: Path) -> int:
+    """A file of the run could not be written (a full disk, a folder made read-only): say which,
+    why, what was kept and how to go on. Returns 1."""
+    from fedsim.runs.results import read_rounds
+
+    done = max((r["round"] for r in read_rounds(run_dir)), default=0)
+    cause = err.strerror or str(err)
+    head = f"error: cannot write {os.fsdecode(err.filename)}: {cause}; the run stopped after round {done} of {scenario.federation.rounds}"
+    if scenario.output.checkpoints:
+        tail = f"once it can be written again (free space, permissions), continue with: fedsim run --resume {run_dir}"
+    else:
+        tail = f"the rounds so far are in {run_dir} (output.checkpoints is off: it cannot be resumed)"
+    err_console.print(f"{head}; {tail}", markup=False, highlight=False, soft_wrap=True)
+    return 1
 
 
 def cmd_sweep(args) -> int:

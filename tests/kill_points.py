@@ -16,6 +16,7 @@ bit for bit.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -48,9 +49,13 @@ def _write_event(event: str, args: tuple, root: str) -> str | None:
     return None
 
 
-def install_killer(root: str, events_file: str, kill_at: int) -> list[str]:
+def install_killer(root: str, events_file: str, kill_at: int | str) -> list[str]:
     """Record this process's writes under `root` (returned list); SIGKILL it before write number
-    `kill_at` (1-based; 0: never), after listing the writes so far in `events_file`."""
+    `kill_at` (1-based; 0: never), after listing the writes so far in `events_file`. `kill_at`
+    "N:ENOSPC" (any errno name) makes write N fail with that error instead, and every later write
+    but removals: a disk that fills up or a folder that turns read-only stays so."""
+    number, _, error = str(kill_at).partition(":")
+    kill_at, fail = int(number), getattr(errno, error) if error else None
     root = os.path.abspath(root) + os.sep
     seen: list[str] = []
 
@@ -59,6 +64,9 @@ def install_killer(root: str, events_file: str, kill_at: int) -> list[str]:
         if what is None:
             return
         seen.append(what)
+        if fail is not None and kill_at and len(seen) >= kill_at and not what.startswith("remove "):
+            Path(events_file).write_text("\n".join(seen) + "\n")
+            raise OSError(fail, os.strerror(fail), os.path.join(root, what.split(" ")[-1]))
         if len(seen) == kill_at:
             Path(events_file).write_text("\n".join(seen) + "\n")  # outside the run folder: not an event
             os.kill(os.getpid(), signal.SIGKILL)
@@ -67,7 +75,7 @@ def install_killer(root: str, events_file: str, kill_at: int) -> list[str]:
     return seen
 
 
-def child(run_dir: str, events_file: str, kill_at: int) -> None:
+def child(run_dir: str, events_file: str, kill_at: int | str) -> None:
     """Run (or resume) the scenario in `run_dir` in this process over the in-process grid."""
     from fedsim.client.app import make_client_app
     from fedsim.flower.local_grid import LocalGrid
@@ -85,13 +93,14 @@ def child(run_dir: str, events_file: str, kill_at: int) -> None:
 
 
 # --- the parent ----------------------------------------------------------------------------------------
-def run_child(run_dir: Path, events_file: Path, kill_at: int = 0, timeout: float = 300) -> int:
+def run_child(run_dir: Path, events_file: Path, kill_at: int | str = 0, timeout: float = 300):
+    """The child's CompletedProcess; an error if it failed other than as asked (a write error: exit 1)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(Path(__file__)), "child", str(run_dir), str(events_file), str(kill_at)],
                           env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode not in (0, -signal.SIGKILL):
+    if proc.returncode not in (0, -signal.SIGKILL) and not (proc.returncode == 1 and ":" in str(kill_at)):
         raise RuntimeError(f"child exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return proc.returncode
+    return proc
 
 
 @dataclass
@@ -99,10 +108,15 @@ class KillPoint:
     number: int  # the write it was killed before (1-based)
     event: str
     torn: bool = False  # and the file it was opening was left with half its next content
+    error: str | None = None  # not killed: this write and those after it fail with this errno (ENOSPC)
 
     @property
     def label(self) -> str:
-        return f"#{self.number} {self.event}" + (" (torn)" if self.torn else "")
+        return f"#{self.number} {self.event}" + (" (torn)" if self.torn else "") + (f" ({self.error})" if self.error else "")
+
+    @property
+    def kill_at(self) -> str:
+        return f"{self.number}:{self.error}" if self.error else str(self.number)
 
 
 @dataclass
@@ -151,36 +165,52 @@ def _tear(event: str, run_dir: Path, reference: Path) -> None:
         path.write_bytes(os.urandom(1000))
 
 
+def _written_file(event: str) -> str:
+    """The file a write event is for: a temp file's target (`checkpoint/.round-2.pt.tmp123` ->
+    `checkpoint/round-2.pt`)."""
+    path = Path(event.split(" ", 1)[1])
+    return str(path.with_name(re.sub(r"^\.(.+)\.tmp\d+$", r"\1", path.name)))
+
+
 def _no_pid(event: str) -> str:
     """A write's description without the writer's process id (in temp files' names)."""
     return re.sub(r"\.tmp\d+", ".tmp", event)
 
 
-def kill_points(events: list[str], tear: bool = True) -> list[KillPoint]:
-    """Every write a kill can come before, and each opening of rounds.jsonl or of a temp file again
-    with the write cut in half."""
+def kill_points(events: list[str], tear: bool = True, errors: tuple[str, ...] = ()) -> list[KillPoint]:
+    """Every write a kill can come before; each opening of rounds.jsonl or of a temp file again with
+    the write cut in half (`tear`), and failing with each of `errors` (errno names)."""
     points = [KillPoint(i + 1, e) for i, e in enumerate(events)]
+    openings = [(i + 1, e) for i, e in enumerate(events) if e == "open rounds.jsonl" or (e.startswith("open ") and ".tmp" in e)]
     if tear:
-        points += [KillPoint(i + 1, e, torn=True) for i, e in enumerate(events)
-                   if e == "open rounds.jsonl" or (e.startswith("open ") and ".tmp" in e)]
+        points += [KillPoint(n, e, torn=True) for n, e in openings]
+    points += [KillPoint(n, e, error=error) for error in errors for n, e in openings]
     return points
 
 
-def campaign(scenario, workdir: Path, select=None, log=print) -> tuple[list[KillPoint], list[Outcome]]:
-    """Run `scenario` whole, then killed at each kill point (or those `select(points)` keeps) and
-    resumed; returns (all points, outcomes)."""
+def campaign(scenario, workdir: Path, select=None, log=print, errors: tuple[str, ...] = ()) -> tuple[list[KillPoint], list[Outcome]]:
+    """Run `scenario` whole, then killed (or failing to write) at each kill point (or those
+    `select(points)` keeps) and resumed; returns (all points, outcomes). A failed write must end
+    the run with exit code 1 and an error naming the run's file."""
     reference = new_run(scenario, workdir, "whole")
     run_child(reference, workdir / "whole.events")
     events = (workdir / "whole.events").read_text().splitlines()
-    points = kill_points(events)
+    points = kill_points(events, errors=errors)
     chosen = select(points) if select is not None else points
     expected = _final_state(reference)
     outcomes = []
     for k, point in enumerate(chosen):
         cut = new_run(scenario, workdir, f"cut-{k}")
-        code = run_child(cut, workdir / f"cut-{k}.events", kill_at=point.number)
-        problems = [] if code == -signal.SIGKILL else [f"the child was not killed (exit {code})"]
+        proc = run_child(cut, workdir / f"cut-{k}.events", kill_at=point.kill_at)
+        problems = []
+        if point.error is None and proc.returncode != -signal.SIGKILL:
+            problems.append(f"the child was not killed (exit {proc.returncode})")
         seen = (workdir / f"cut-{k}.events").read_text().splitlines()
+        if point.error is not None:
+            target = str(cut / _written_file(seen[point.number - 1]))
+            if proc.returncode != 1 or f"{os.strerror(getattr(errno, point.error))}: '{target}'" not in proc.stderr:
+                problems.append(f"a failed write did not end the run with an error naming {target} (exit {proc.returncode})")
+            seen = seen[: point.number]
         if [_no_pid(e) for e in seen] != [_no_pid(e) for e in events[: point.number]]:
             problems.append(f"the killed run's writes differ from the whole run's: {seen[-1:]} vs {events[point.number - 1]}")
         if point.torn:
@@ -200,7 +230,7 @@ def campaign(scenario, workdir: Path, select=None, log=print) -> tuple[list[Kill
     return points, outcomes
 
 
-def cli_child(root: str, events_file: str, kill_at: int, argv: list[str]) -> int:
+def cli_child(root: str, events_file: str, kill_at: int | str, argv: list[str]) -> int:
     """`fedsim <argv>` (Ray-simulated clients) in this process, killed at write `kill_at` under `root`."""
     from fedsim.cli import main
 
@@ -212,8 +242,8 @@ def cli_child(root: str, events_file: str, kill_at: int, argv: list[str]) -> int
 
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "child":
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        child(sys.argv[2], sys.argv[3], sys.argv[4])
     elif len(sys.argv) > 5 and sys.argv[1] == "cli":
-        sys.exit(cli_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]))
+        sys.exit(cli_child(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]))
     else:
         sys.exit("usage: kill_points.py child RUN_DIR EVENTS_FILE KILL_AT | cli ROOT EVENTS_FILE KILL_AT FEDSIM-ARGS...")

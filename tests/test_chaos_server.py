@@ -34,8 +34,8 @@ def scenario():
 
 
 def one_of_each_kind(points):
-    """A torn rounds.jsonl line, a client's state file and a checkpoint killed before their rename, the
-    removal of a pruned checkpoint, the summary's temp file cut in half."""
+    """A torn rounds.jsonl line; a client's state file and a checkpoint killed before their rename;
+    a full disk while writing round 2's checkpoint, a folder turned read-only for round 3's line."""
     def first(test):
         return next(p for p in points if test(p))
 
@@ -43,8 +43,8 @@ def one_of_each_kind(points):
         first(lambda p: p.torn and p.event == "open rounds.jsonl" and p.number > 10),
         first(lambda p: p.event.startswith("rename checkpoint/clients/")),
         first(lambda p: p.event.startswith("rename checkpoint/.round-2")),
-        first(lambda p: p.event.startswith("remove checkpoint/round-")),
-        first(lambda p: p.torn and ".summary.json" in p.event),
+        first(lambda p: p.error == "ENOSPC" and ".round-2.pt.tmp" in p.event),
+        [p for p in points if p.error == "EACCES" and p.event == "open rounds.jsonl"][2],
     ]
 
 
@@ -63,18 +63,24 @@ def test_writes_of_a_run_are_the_kill_points(tmp_path):
     assert "remove checkpoint/round-1.pt" in events
     opened = [e.split(" ", 1)[1] for e in events if e.startswith("open ") and ".tmp" in e]
     assert all(any(e.startswith(f"rename {o} -> ") for e in events) for o in opened)
-    assert len(kill_points(events)) == len(events) + len(opened) + 3
+    assert len(kill_points(events, errors=("ENOSPC",))) == len(events) + 2 * (len(opened) + 3)
 
 
-def test_killed_at_one_point_of_each_kind_resumes_identically(tmp_path):
-    points, outcomes = campaign(scenario(), tmp_path, select=one_of_each_kind, log=lambda _: None)
+def test_killed_or_failing_at_one_point_of_each_kind_resumes_identically(tmp_path):
+    """A failed write (the error injected at that write and every write after it, as a full disk
+    or a read-only folder stays so) ends the run with exit code 1 and an error naming the file; no
+    temp file or half checkpoint is left or used; resumed once writable, the run ends as the run
+    left alone. So does a run killed at each point."""
+    points, outcomes = campaign(scenario(), tmp_path, select=one_of_each_kind, log=lambda _: None,
+                                errors=("ENOSPC", "EACCES"))
     assert len(outcomes) == 5
     assert [o.problems for o in outcomes] == [[]] * 5 and all(o.lines_lost == 0 for o in outcomes)
 
 
 @pytest.mark.slow
 def test_killed_at_every_write_resumes_identically(tmp_path):
-    points, outcomes = campaign(scenario(), tmp_path, log=print)
+    """Every write killed, every opening torn, and every opening failing with a full disk."""
+    points, outcomes = campaign(scenario(), tmp_path, log=print, errors=("ENOSPC",))
     failed = {o.point.label: o.problems for o in outcomes if not o.identical}
     assert not failed and len(outcomes) == len(points) and sum(o.lines_lost for o in outcomes) == 0
 
@@ -106,3 +112,59 @@ def test_fedsim_run_killed_on_ray_resumes_identically(tmp_path):
         (cut,) = [p for p in root.iterdir() if p.is_dir()]
         assert fedsim(root, 0, "run", "--resume", str(cut)) == 0
         assert without_times(read_rounds(cut)) == without_times(read_rounds(reference))
+
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (a real file system that fills up), or a skip where this process may not mount one."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode}): needs root or CAP_SYS_ADMIN")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def pages(size: int) -> int:
+    return -(-size // 4096) * 4096  # tmpfs allots whole pages
+
+
+@pytest.mark.slow
+@pytest.mark.simulation
+def test_fedsim_run_on_a_disk_that_fills_up_stops_naming_the_file_and_resumes(tmp_path, small_disk):
+    """`fedsim run` (Ray) on a real tmpfs with room for round 1 and half of round 2's checkpoint:
+    the kernel's ENOSPC ends it with exit code 1 and an error naming round-2.pt and the resume
+    command; no temp file is left; once space is freed, `fedsim run --resume` ends as the run left alone."""
+    import shutil
+
+    from kill_points import new_run
+    from fedsim.runs.results import read_rounds
+    from fedsim.server.record import without_times
+
+    plain = OVERRIDES[:-1]  # no client memory: the Ray workers write no state files of their own
+    reference = new_run(load_scenario(REPO / "scenarios/quickstart.yaml", plain), tmp_path, "whole")  # its sizes, lines
+    run_child(reference, tmp_path / "events")
+    checkpoint = (reference / "checkpoint" / "round-3.pt").stat().st_size
+    line = len((reference / "rounds.jsonl").read_text().splitlines()[0]) + 1
+    room = pages((reference / "scenario.yaml").stat().st_size) + pages(checkpoint) + pages(line) + pages(checkpoint // 2)
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - room))
+    args = ["run", str(REPO / "scenarios/quickstart.yaml"), *[a for o in plain for a in ("--set", o)],
+            "--output", str(small_disk)]
+    env = {**os.environ, "COLUMNS": "1000"}  # the error on one line
+    failed = subprocess.run([sys.executable, "-m", "fedsim.cli", *args], capture_output=True, text=True,
+                            timeout=300, cwd=REPO, env=env)
+    (cut,) = [p for p in small_disk.iterdir() if p.is_dir()]
+    assert failed.returncode == 1, failed.stderr[-2000:]
+    assert f"cannot write {cut / 'checkpoint' / 'round-2.pt'}: No space left on device" in failed.stderr, failed.stderr
+    assert f"fedsim run --resume {cut}" in failed.stderr
+    assert [r["round"] for r in read_rounds(cut)] == [1] and not list(cut.rglob(".*.tmp*"))
+    filler.unlink()
+    resumed = subprocess.run([sys.executable, "-m", "fedsim.cli", "run", "--resume", str(cut)], capture_output=True,
+                             text=True, timeout=300, cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert without_times(read_rounds(cut)) == without_times(read_rounds(reference))

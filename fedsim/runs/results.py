@@ -30,10 +30,18 @@ def _clean(value):
 
 
 def append_round(run_dir: Path | RunFolder, record: dict) -> None:
-    with open(RunFolder.of(run_dir).rounds_file, "a") as fh:
-        fh.write(json.dumps(_clean(record)) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Append the round's line and flush it to disk. A write that fails (a full disk) raises an
+    OSError naming rounds.jsonl; what it left is a torn last line, which a resume drops."""
+    path = RunFolder.of(run_dir).rounds_file
+    try:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(_clean(record)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:
+        if err.filename is None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
 
 
 def rewrite_rounds(run_dir: Path | RunFolder, records: list[dict]) -> None:
