@@ -181,3 +181,156 @@ def test_superlink_restarted_mid_run_fails_the_run_and_resume_completes_it_with_
     assert json.loads((run_dir / "summary.json").read_text())["rounds_completed"] == 2
     assert "fedsim: resuming the run in" in (tmp_path / "flwr_resume.log").read_text()
     assert strip(in_process_rounds(tmp_path, sets)) == strip(rounds)
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("section", ["{name: lightsecagg, privacy: 1, dropout: 1}", "{name: secaggplus}"])
+def test_a_supernode_killed_during_a_secure_run_drops_out_of_the_next_round(tmp_path, section):
+    """Three SuperNodes, secure aggregation, two rounds; node 2 is SIGKILLed (with its ClientApp
+    process) once round 1 is written, as round 2's protocol starts. Its messages go unanswered until
+    the stage timeout (federation.round_timeout) and it is dropped at the first stage; its reason is
+    filed under client 2, never under the SuperLink's id.
+
+    LightSecAgg (U = N - D = 2) sums the two survivors. SecAgg+ halts the round although 2 of 3
+    shares would do: Flower's SecAggPlusWorkflow (1.41) asks, at unmask, for `threshold` shares of
+    every node sampled at setup, and a node lost before it dealt its shares has none
+    (secaggplus_workflow.py: unmask_stage); the in-process grid shows the same. The round is
+    recorded as skipped with that reason and the model is left as it was."""
+    from test_deployment import SCENARIO, Cluster, wait_summary
+
+    over = [s for s in SCENARIO if "rounds" not in s] + ["federation.rounds=2", "federation.round_timeout=30",
+                                                          f"secure_aggregation={section}"]
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.superlink()
+        nodes = [cluster.supernode(i, 3) for i in range(3)]
+        run = cluster.run(over)
+        wait_for_round(cluster, 1, run)
+        os.killpg(nodes[2].pid, signal.SIGKILL)
+        summary = wait_summary(cluster, 300, run)
+        rounds = [r for r in read_rounds(cluster.run_dir()) if r["round"] > 0]
+    finally:
+        cluster.stop()
+    assert summary["rounds_completed"] == 2 and [r["round"] for r in rounds] == [1, 2]
+    first, second = rounds
+    assert first["secure_aggregation"]["summed"] == [0, 1, 2] and not first["rejected"]
+    assert second["sampled"] == [0, 1, 2] and "2" in second["rejected"]
+    assert "first stage" in second["rejected"]["2"], second["rejected"]
+    if "lightsecagg" in section:
+        assert second["skipped"] is None and second["secure_aggregation"]["summed"] == [0, 1]
+        assert set(second["rejected"]) == {"2"}
+    else:
+        assert second["skipped"] == "secaggplus halted in every group" and second["secure_aggregation"]["summed"] == []
+        assert all("halted" in second["rejected"][p] for p in ("0", "1")), second["rejected"]
+        assert second["main_accuracy"] == first["main_accuracy"]  # the model stays
+
+
+HOSTILE_APP = '''"""A ClientApp that answers as fedsim's, except on partition 2, whose train replies carry
+{junk} random bytes more (random: Flower stores identical chunks once)."""
+import numpy as np
+from flwr.app import ArrayRecord
+from flwr.clientapp import ClientApp
+
+from fedsim.client.app import make_client_app
+
+honest = make_client_app()
+app = ClientApp()
+
+
+@app.query()
+def query(msg, context):
+    return honest(msg, context)
+
+
+@app.train()
+def train(msg, context):
+    reply = honest(msg, context)
+    if int(context.node_config["partition-id"]) == 2 and not reply.has_error():
+        junk = np.random.default_rng().integers(0, 256, size={junk}, dtype=np.uint8)
+        reply.content["junk"] = ArrayRecord([junk])
+    return reply
+'''
+
+HOSTILE_PYPROJECT = '''[project]
+name = "hostile"
+version = "1.0.0"
+
+[tool.flwr.app]
+publisher = "test"
+
+[tool.flwr.app.components]
+serverapp = "fedsim.server.app:app"
+clientapp = "hostile:app"
+
+[tool.flwr.app.config]
+scenario = ""
+overrides = ""
+output-dir = ""
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(900)
+def test_an_oversized_reply_from_a_hostile_supernode_is_refused_at_the_servers_bound_while_pulled(tmp_path):
+    """SuperNode 2 runs a ClientApp whose train reply carries 24 MB more than fedsim's (an app of
+    its own: the FAB's ClientApp is whatever the node runs). The ServerApp stops pulling that reply
+    once it passes the bound (fedsim/deploy/bounded_grid.py: twice the upload bound of fedsim/wire.py
+    plus 1 MiB), holding at most the bound plus the two objects in flight, and the round aggregates
+    the other two with node 2 rejected for it."""
+    from test_deployment import SCENARIO, Cluster, wait_summary
+
+    from fedsim.deploy.bounded_grid import reply_limit
+    from fedsim.runtime import runtime_for
+    from fedsim.scenario import load_scenario
+
+    junk = 24 * 2**20
+    app = tmp_path / "app"
+    (app / "scenarios").mkdir(parents=True)
+    (app / "scenarios" / "quickstart.yaml").write_text((REPO / "scenarios" / "quickstart.yaml").read_text())
+    (app / "pyproject.toml").write_text(HOSTILE_PYPROJECT)
+    (app / "hostile.py").write_text(HOSTILE_APP.replace("{junk}", str(junk)))
+    sets = [s for s in SCENARIO if "rounds" not in s] + ["federation.rounds=1", "federation.round_timeout=120"]
+    limit = reply_limit(runtime_for(load_scenario(app / "scenarios" / "quickstart.yaml", sets)).layout)
+    assert limit < junk / 4
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.superlink()
+        for i in range(3):
+            cluster.supernode(i, 3)
+        deploy.write_connection(tmp_path / "flwr_home", "test", cluster.address)
+        cmd = deploy.run_cmd("test", app / "scenarios" / "quickstart.yaml", sets, tmp_path / "results", app_dir=app)
+        run = cluster.start(cmd, "flwr_run")
+        summary = wait_summary(cluster, 300, run)
+        rounds = [r for r in read_rounds(cluster.run_dir()) if r["round"] > 0]
+    finally:
+        cluster.stop()
+    assert summary["rounds_completed"] == 1
+    (line,) = rounds
+    assert line["sampled"] == [0, 1, 2] and line["aggregated"] == [0, 1] and line["skipped"] is None
+    assert set(line["rejected"]) == {"2"}
+    reason = line["rejected"]["2"]
+    assert f"exceeds {limit} bytes, the most this server pulls for one reply" in reason, reason
+    pulled = int(reason.split("(pulled ")[1].split(" bytes")[0])
+    assert limit < pulled <= limit + 2 * 5 * 2**20 < junk  # Flower's chunks: 5 MiB, two pulled at once
+
+
+@pytest.mark.parametrize("stage", ["setup", "share_keys"])
+def test_secaggplus_halts_when_a_node_is_lost_before_it_dealt_its_shares(stage):
+    """flwr 1.41's SecAggPlusWorkflow wants `threshold` shares of every node sampled at setup at its
+    unmask stage; a node lost at setup or share_keys dealt none, so the round halts however many
+    survive (4 of 5 here, threshold 2), and fedsim records it skipped with the reasons
+    (docs/deployment.md, "A node that drops out of a secure round"). LightSecAgg survives it."""
+    sc = secure_scenario("secure_aggregation={name: secaggplus}")
+    probe, _ = one_round(sc)
+    victim = probe["sampled"][1]
+    line, _ = one_round(sc, StageDropGrid(make_client_app(sc), 6, {victim: stage}))
+    assert line["skipped"] == "secaggplus halted in every group" and line["secure_aggregation"]["summed"] == []
+    assert set(line["rejected"]) == {str(p) for p in probe["sampled"]}
+    light = secure_scenario("secure_aggregation={name: lightsecagg}")
+    stage_light = {"setup": "keys", "share_keys": "shares"}[stage]
+    line, _ = one_round(light, StageDropGrid(make_client_app(light), 6, {victim: stage_light}))
+    assert line["skipped"] is None and victim not in line["secure_aggregation"]["summed"]
+    assert set(line["rejected"]) == {str(victim)}

@@ -207,6 +207,10 @@ def make_server_app(scenario=None, run_dir: Path | RunFolder | None = None, prog
             folder, keep = deployed_run_folder(scen, context)
         else:
             folder = RunFolder.of(run_dir)
+        if scenario is None:  # Flower's HTTP grid pulls any reply whole: stop at the server's bound instead
+            from fedsim.deploy.bounded_grid import bounded, reply_limit
+
+            grid = bounded(grid, reply_limit(runtime_for(scen).layout))
         report = progress
         if report is None and scenario is None:  # under `flwr run`: each round's row in the ServerApp's log
             report = log_rounds(scen.federation.rounds)
