@@ -602,7 +602,8 @@ def cmd_deploy(args) -> int:
         raise ScenarioError("fedsim deploy", [("--health", "Flower's health service belongs to a superlink or supernode", args.role)])
     cmds, connection = [], None
     if args.role == "superlink":
-        cmds.append(deploy.superlink_cmd(args.host, args.port, tls, auth=not args.no_auth, health_address=args.health))
+        cmds.append(deploy.superlink_cmd(args.host, args.port, tls, auth=not args.no_auth, database=args.database,
+                                         health_address=args.health))
     elif args.role == "supernode":
         key = args.auth_key if args.auth_key is not None else (None if certs is None else certs / f"node{args.partition}_key")
         cmds.append(deploy.supernode_cmd(args.partition, args.num_partitions, args.superlink, args.node_port,
@@ -751,6 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: the current directory; it needs a pyproject.toml with [tool.flwr.app])")
     dep.add_argument("--health", default=None, metavar="ADDR",
                      help="superlink, supernode: start Flower's gRPC health service on ADDR (host:port, no TLS)")
+    dep.add_argument("--database", type=Path, default=None, metavar="FILE",
+                     help="superlink: keep the SuperLink's state (nodes, runs) in this SQLite file, so a restarted "
+                          "SuperLink knows its SuperNodes (default: in memory)")
     dep.add_argument("--resume", default=None, metavar="DIR",
                      help="run: continue a deployed run's folder (a path on the ServerApp's machine) after its last "
                           "checkpointed round; alone, it reads the scenario and --set options the folder recorded")
