@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -191,3 +192,108 @@ def test_a_client_over_client_memory_gb_fails_its_message_and_the_run_goes_on(tm
     assert rounds[1]["aggregated"] == [0, 1, 2, 3, 4, 5]
     figures = ("aggregated", "main_accuracy", "main_loss", "bytes_up")
     assert [{k: r[k] for k in figures} for r in rounds] == [{k: r[k] for k in figures} for r in results["raise"]]
+
+
+@pytest.mark.simulation
+@pytest.mark.slow
+def test_a_ray_node_lost_mid_run(tmp_path):
+    """A two-node cluster on this machine: `ray start --head` (1 CPU) and a worker node joined with
+    `ray start --address` (1 CPU, its own temp dir), one client actor on each. In round 2 of 4, while
+    a client trains on the worker node, every process of that node (its raylet, its agents, the
+    actor's worker) is SIGKILLed. The clients that were on it in round 2 are recorded as failed, with
+    the lost actor as the reason (or trained again on the head node, see below); Ray would restart that actor but no node has room for it, so the
+    engine takes it out of the pool and the run goes on, on the head node's actor, to the end, no
+    round waiting for its timeout; rounds 3 and 4 train on the head node, and round 4 everyone."""
+    from failing_app import client_app_with_failures
+    from test_deployment import free_port
+    from test_ray_cluster import RAY, _processes_naming, _stop_cluster
+
+    if not RAY.exists():
+        pytest.skip("the ray command is not installed next to this Python")
+    import subprocess
+    import tempfile
+
+    port = free_port()
+    head = tempfile.mkdtemp(prefix="fsh", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    worker = tempfile.mkdtemp(prefix="fsw", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+              f"--object-store-memory={100 * 1024**2}"]
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    folder = str(trained)
+
+    def before_train(pid, rnd):
+        import ray
+
+        with open(os.path.join(folder, f"{pid}-{rnd}-{os.getpid()}-{ray.get_runtime_context().get_node_id()}"), "w"):
+            pass
+        if rnd == 2:
+            time.sleep(1.0)  # the node is killed while this trains
+        return None
+
+    killed: list[set[int]] = []
+    killed_commands: list[str] = []
+    done = threading.Event()
+
+    def kill_the_worker_node():
+        while not done.is_set() and not killed:
+            for name in os.listdir(folder):
+                if name.split("-")[1] == "2" and int(name.split("-")[2]) in _processes_naming(worker):
+                    victims = _processes_naming(worker)
+                    for victim in victims:
+                        with contextlib.suppress(OSError):
+                            killed_commands.append(Path(f"/proc/{victim}/cmdline").read_bytes().split(b"\0")[0].decode())
+                    for victim in victims:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(victim, signal.SIGKILL)
+                    killed.append(victims)
+                    break
+            time.sleep(0.02)
+
+    try:
+        subprocess.run([str(RAY), "start", "--head", f"--port={port}", f"--temp-dir={head}", "--include-dashboard=false",
+                        *common], check=True, env=env, capture_output=True, timeout=120)
+        subprocess.run([str(RAY), "start", f"--address=127.0.0.1:{port}", f"--temp-dir={worker}", *common],
+                       check=True, env=env, capture_output=True, timeout=120)
+        scenario = small_scenario("federation.rounds=4", f"federation.ray_address=127.0.0.1:{port}",
+                                  "federation.round_timeout=60")
+        killer = threading.Thread(target=kill_the_worker_node, daemon=True)
+        killer.start()
+        run_dir = simulate(scenario, run_dir=tmp_path / "run", client_app=client_app_with_failures(scenario, before_train))
+        done.set()
+        killer.join()
+        runs = [name.split("-") for name in os.listdir(folder)]
+        nodes = {node for *_, node in runs}
+    finally:
+        done.set()
+        _stop_cluster(head)
+        _stop_cluster(worker)
+        leftover = _processes_naming(head) | _processes_naming(worker)
+        subprocess.run(["rm", "-rf", head, worker], check=False)
+    assert not leftover, f"cluster processes still running: {sorted(leftover)}"
+    assert len(killed) == 1 and any(c.endswith("/raylet") for c in killed_commands), killed_commands
+    rounds = read_rounds(run_dir)
+    assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+    assert (run_dir / "summary.json").exists()
+    assert len(nodes) == 2 and not rounds[0]["rejected"]
+    # round 1 ran on both nodes; which node is the worker's: the one whose round-2 runs were cut off
+    head_node = {node for pid, rnd, _, node in runs if rnd in ("3", "4")}
+    assert len(head_node) == 1, "after the loss every client trains on the head node"
+    lost_node = (nodes - head_node).pop()
+    on_lost_node = {int(pid) for pid, rnd, _, node in runs if rnd == "2" and node == lost_node}
+    on_head_node = {int(pid) for pid, rnd, _, node in runs if rnd == "2" and node != lost_node}
+    lost = {int(p): reason for p, reason in rounds[1]["rejected"].items()}
+    assert on_lost_node and sorted([*rounds[1]["aggregated"], *lost]) == list(range(6))
+    for reason in lost.values():
+        assert reason.startswith("client error: the client's actor was lost"), reason
+    # a client cut off on the lost node: recorded as failed, or, when Ray declared the node dead
+    # before the message's retry gave up (its health checks: 5 x 3 s by default), sent again to the
+    # head node's actor, where it trained and was aggregated
+    for pid in on_lost_node:
+        assert pid in lost or (pid in rounds[1]["aggregated"] and pid in on_head_node), (pid, rounds[1])
+    assert all(pid in on_head_node for pid in rounds[1]["aggregated"])
+    for r in rounds[2:]:
+        assert all(reason.startswith("client error: the client's actor was lost") for reason in r["rejected"].values())
+        assert r["wall_seconds"] < 30, "a round waited for the lost actor"
+    assert rounds[3]["aggregated"] == list(range(6)) and not rounds[3]["rejected"]

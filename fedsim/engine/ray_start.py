@@ -121,3 +121,25 @@ def single_threaded_openblas():
 
     prefixes = {lib["prefix"] for lib in threadpool_info() if lib.get("internal_api") == "openblas"}
     return threadpool_limits(limits={p: 1 for p in prefixes}) if prefixes else contextlib.nullcontext()
+
+
+def actor_lost(actor, client_resources: dict, pool_actors: int) -> bool:
+    """Whether a client actor that has not answered yet is lost for good: Ray holds it dead, or is
+    restarting it (its process died) while the live cluster can no longer place all `pool_actors`
+    actors of the pool (a node left it). Ray then waits for room that may never come, and every
+    message handed to the actor waits with it: Flower's pool is sized to fill the cluster, so the
+    actors of a lost node have nowhere to go. An actor restarting where the cluster still has room
+    for it (its process was killed on a node that remains) is not lost. Reads Ray's actor table
+    from its GCS (`ray._private.state`: ~1 ms, no dashboard needed)."""
+    from ray._private import state
+
+    info = state.actors(actor_id=actor._actor_id.hex())
+    if not info or info.get("State") == "ALIVE":
+        return False
+    if info.get("State") == "DEAD":
+        return True
+    try:
+        room = actor_pool_size(client_resources)
+    except ValueError:  # no node left that can host a client
+        room = 0
+    return room < pool_actors

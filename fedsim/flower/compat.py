@@ -227,12 +227,18 @@ def grid_link_state(grid):
 
 
 # --- actor-contract -------------------------------------------------------------------------------
-def run_cohort_task(backend, messages: list, contexts: list) -> tuple[list, list]:
+def run_cohort_task(backend, messages: list, contexts: list, wait: Callable[[Any, Any], bool] | None = None
+                    ) -> tuple[list, list]:
     """What `RayBackend.process_message` does for one message, for a cohort of messages in one task
     on one actor (`run_cohort`, fedsim/engine/ray_actor.py): (per message its reply or the exception
     it raised, per message its updated context). An actor that dies fails the whole task; a task of
     several messages is then not retried by Ray (the caller retries each message alone), a single
-    message is, as the actor's options say (fedsim/engine/ray_start.py client_resources)."""
+    message is, as the actor's options say (fedsim/engine/ray_start.py client_resources).
+    `wait(future, actor)`, when given, runs before the result is fetched: it may wait for the task
+    its own way, raise to give up on it, or return True when the actor is lost for good (its node
+    left the cluster and no node has room for it). Such an actor leaves Flower's `BasicActorPool`:
+    it is killed, not to be restarted, the pool counts one actor less, and the task fails with
+    Ray's `ActorDiedError`. (The shared engine's pool, fedsim/engine/shared.py, keeps its actors.)"""
     if backend.pool is None or backend.app_fn is None:
         raise ValueError("the Ray backend is not built: no actor pool to run a cohort on")
     cids = [str(c.node_config["partition-id"]) for c in contexts]
@@ -241,12 +247,37 @@ def run_cohort_task(backend, messages: list, contexts: list) -> tuple[list, list
     def submit(actor, app_fn, msgs, ids, ctxs):
         return actor.run_cohort.options(**retries).remote(app_fn, msgs, ids, ctxs)
 
-    future = backend.pool.submit(submit, (backend.app_fn, messages, cids, contexts))
+    pool = backend.pool
+    future = pool.submit(submit, (backend.app_fn, messages, cids, contexts))
     try:
-        return backend.pool.fetch_result_and_return_actor_to_pool(future)
+        if wait is not None and wait(future, pool._future_to_actor[future]) and can_retire_actors(backend):
+            import ray
+
+            actor = pool._future_to_actor.pop(future)
+            ray.kill(actor, no_restart=True)
+            pool.num_actors -= 1
+            _, replies, updated = ray.get(future)  # Ray's ActorDiedError, unless the task had just answered
+            return replies, updated
+        return pool.fetch_result_and_return_actor_to_pool(future)
     except Exception:
-        backend.pool.add_actor_back_to_pool(future)  # as process_message does (a no-op once returned)
+        if future in pool._future_to_actor:
+            pool.add_actor_back_to_pool(future)  # as process_message does (a no-op once returned)
         raise
+
+
+def can_retire_actors(backend) -> bool:
+    """Whether `run_cohort_task` can take a lost actor out of the backend's pool (Flower's own pool)."""
+    return isinstance(backend.pool, _get(f"{_POOL}:BasicActorPool"))
+
+
+def pool_actors(backend) -> int:
+    """How many actors the backend's pool holds (idle or busy)."""
+    return backend.pool.num_actors
+
+
+def backend_client_resources(backend) -> dict:
+    """The `client_resources` the backend's actors were made with."""
+    return backend.client_resources
 
 
 def error_code(ex: BaseException) -> int:
