@@ -297,3 +297,33 @@ def test_a_ray_node_lost_mid_run(tmp_path):
         assert all(reason.startswith("client error: the client's actor was lost") for reason in r["rejected"].values())
         assert r["wall_seconds"] < 30, "a round waited for the lost actor"
     assert rounds[3]["aggregated"] == list(range(6)) and not rounds[3]["rejected"]
+
+
+@pytest.mark.simulation
+def test_the_actor_pool_counts_client_memory_gb():
+    """federation.client_memory_gb is each client actor's Ray `memory`. On a local Ray with 4 CPUs,
+    a limit of 2/3 of the node's memory resource leaves room for one actor: fedsim's pool makes one,
+    where Flower's rule (CPUs only) would make 4, and an actor beyond the first is never placed: a
+    message handed to it would wait for ever."""
+    import ray
+
+    from fedsim.engine.ray_actor import client_actor_class
+    from fedsim.engine.ray_start import actor_pool_size, client_resources
+    from fedsim.flower import compat as flower_compat
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        memory = sum(n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"])
+        limit = round(memory / 1.5 / 1024**3, 3)
+        resources = client_resources(small_scenario(f"federation.client_memory_gb={limit}"))
+        assert resources["memory"] == int(limit * 1024**3) and resources["num_cpus"] == 1
+        assert flower_compat.actor_pool_size(resources) == 4
+        assert actor_pool_size(resources) == 1
+        assert "memory" not in client_resources(small_scenario())
+        actors = [client_actor_class().options(**resources).remote() for _ in range(2)]
+        answers = [actor.warm_up.remote("{}", "no scenario") for actor in actors]  # answers once placed
+        placed, waiting = ray.wait(answers, num_returns=1, timeout=60)
+        assert len(placed) == 1
+        assert not ray.wait(waiting, timeout=3)[0]  # the second actor's memory does not fit: never placed
+    finally:
+        ray.shutdown()
