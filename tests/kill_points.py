@@ -11,7 +11,9 @@ the bytes a cut write leaves: half of the line the uninterrupted run wrote there
 
 `campaign()` runs the scenario whole once (counting its writes), then once per kill point: killed,
 resumed in a fresh child, compared line by line (times left out), summary and final global model
-bit for bit.
+bit for bit. Its children are forked by one server process that imported fedsim once (`ForkServer`).
+A kill point may instead make the write fail (`N:ENOSPC`): the run must then end with exit code 1
+and an error naming the file.
 """
 
 from __future__ import annotations
@@ -93,14 +95,76 @@ def child(run_dir: str, events_file: str, kill_at: int | str) -> None:
 
 
 # --- the parent ----------------------------------------------------------------------------------------
-def run_child(run_dir: Path, events_file: Path, kill_at: int | str = 0, timeout: float = 300):
-    """The child's CompletedProcess; an error if it failed other than as asked (a write error: exit 1)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(Path(__file__)), "child", str(run_dir), str(events_file), str(kill_at)],
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode not in (0, -signal.SIGKILL) and not (proc.returncode == 1 and ":" in str(kill_at)):
-        raise RuntimeError(f"child exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return proc
+class ForkServer:
+    """A process that imports fedsim once and forks one child per run: each child is a real process
+    that its hook may SIGKILL, and none pays the imports (seconds) again. The children's output goes
+    to `<events file>.out`."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "serve"], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def run(self, run_dir: Path, events_file: Path, kill_at: int | str) -> tuple[int, str]:
+        self.proc.stdin.write(json.dumps([str(run_dir), str(events_file), str(kill_at)]) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the fork server ended (exit {self.proc.wait()})")
+        code = json.loads(reply)
+        return code, Path(f"{events_file}.out").read_text()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+    def __enter__(self) -> "ForkServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve() -> None:
+    """The fork server's loop: a JSON [run_dir, events_file, kill_at] per line in, an exit code out
+    (negative: killed by that signal)."""
+    import traceback
+
+    import fedsim.client.app, fedsim.flower.local_grid, fedsim.scenario, fedsim.server.app  # noqa: F401,E401  once, before forking
+
+    for line in sys.stdin:
+        run_dir, events_file, kill_at = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the child: its output to a file, never to the pipe the server answers on
+            out = os.open(f"{events_file}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            code = 0
+            try:
+                child(run_dir, events_file, kill_at)
+            except BaseException:  # noqa: BLE001  reported as the run's output and exit code
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)), flush=True)
+
+
+def run_child(run_dir: Path, events_file: Path, kill_at: int | str = 0, server: ForkServer | None = None) -> tuple[int, str]:
+    """(exit code, output) of a child run (forked by `server`, else a fresh process); an error if it
+    failed other than as asked (killed: -9; a write error: exit 1)."""
+    if server is not None:
+        code, out = server.run(run_dir, events_file, kill_at)
+    else:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, str(Path(__file__)), "child", str(run_dir), str(events_file), str(kill_at)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        code, out = proc.returncode, proc.stderr
+    if code not in (0, -signal.SIGKILL) and not (code == 1 and ":" in str(kill_at)):
+        raise RuntimeError(f"child exited with {code}:\n{out[-3000:]}")
+    return code, out
 
 
 @dataclass
@@ -192,8 +256,13 @@ def campaign(scenario, workdir: Path, select=None, log=print, errors: tuple[str,
     """Run `scenario` whole, then killed (or failing to write) at each kill point (or those
     `select(points)` keeps) and resumed; returns (all points, outcomes). A failed write must end
     the run with exit code 1 and an error naming the run's file."""
+    with ForkServer() as server:
+        return _campaign(scenario, workdir, select, log, errors, server)
+
+
+def _campaign(scenario, workdir, select, log, errors, server):
     reference = new_run(scenario, workdir, "whole")
-    run_child(reference, workdir / "whole.events")
+    run_child(reference, workdir / "whole.events", server=server)
     events = (workdir / "whole.events").read_text().splitlines()
     points = kill_points(events, errors=errors)
     chosen = select(points) if select is not None else points
@@ -201,21 +270,25 @@ def campaign(scenario, workdir: Path, select=None, log=print, errors: tuple[str,
     outcomes = []
     for k, point in enumerate(chosen):
         cut = new_run(scenario, workdir, f"cut-{k}")
-        proc = run_child(cut, workdir / f"cut-{k}.events", kill_at=point.kill_at)
+        code, out = run_child(cut, workdir / f"cut-{k}.events", kill_at=point.kill_at, server=server)
         problems = []
-        if point.error is None and proc.returncode != -signal.SIGKILL:
-            problems.append(f"the child was not killed (exit {proc.returncode})")
+        if point.error is None and code != -signal.SIGKILL:
+            problems.append(f"the child was not killed (exit {code})")
         seen = (workdir / f"cut-{k}.events").read_text().splitlines()
         if point.error is not None:
+            # the server's own file; a client's (its memory) fails that client's message, and the
+            # server's next write, on the same full disk, ends the run
+            named = re.findall(rf"{os.strerror(getattr(errno, point.error))}: '([^']+)'", out)
             target = str(cut / _written_file(seen[point.number - 1]))
-            if proc.returncode != 1 or f"{os.strerror(getattr(errno, point.error))}: '{target}'" not in proc.stderr:
-                problems.append(f"a failed write did not end the run with an error naming {target} (exit {proc.returncode})")
+            server_file = "/clients/" not in target
+            if code != 1 or not named or (named[-1] != target if server_file else not named[-1].startswith(f"{cut}/")):
+                problems.append(f"a failed write did not end the run with an error naming {target} (exit {code})")
             seen = seen[: point.number]
         if [_no_pid(e) for e in seen] != [_no_pid(e) for e in events[: point.number]]:
             problems.append(f"the killed run's writes differ from the whole run's: {seen[-1:]} vs {events[point.number - 1]}")
         if point.torn:
             _tear(seen[-1], cut, reference)
-        run_child(cut, workdir / f"resume-{k}.events")  # resume
+        run_child(cut, workdir / f"resume-{k}.events", server=server)  # resume
         got = _final_state(cut)
         lost = sum(1 for line in expected[0] if line not in got[0])
         for name, a, b in zip(("rounds.jsonl", "summary.json", "global model"), got, expected):
@@ -243,7 +316,9 @@ def cli_child(root: str, events_file: str, kill_at: int | str, argv: list[str]) 
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "child":
         child(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1:] == ["serve"]:
+        serve()
     elif len(sys.argv) > 5 and sys.argv[1] == "cli":
         sys.exit(cli_child(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]))
     else:
-        sys.exit("usage: kill_points.py child RUN_DIR EVENTS_FILE KILL_AT | cli ROOT EVENTS_FILE KILL_AT FEDSIM-ARGS...")
+        sys.exit("usage: kill_points.py child RUN_DIR EVENTS_FILE KILL_AT | serve | cli ROOT EVENTS_FILE KILL_AT FEDSIM-ARGS...")
