@@ -27,6 +27,8 @@ from fedsim.engine.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.chaos
+
 
 def small_scenario(*overrides: str):
     """The quickstart with 6 clients, all sampled every round, no attacker, rounds written in line."""
