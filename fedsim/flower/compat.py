@@ -571,3 +571,82 @@ def shared_engine_patches(pool_for: Callable[..., Any], run_id: int):
 
     return patched()
 
+
+
+# --- deployment: each reply pulled only up to the server's bound (fedsim/deploy/bounded_grid.py) ---
+# flwr 1.41's `HttpGrid.pull_messages` pulls every object of a reply into the ServerApp's memory,
+# whatever its size. `pull_replies_bounded` makes the same Runtime API calls through the grid's own
+# client but counts each reply's bytes as its objects arrive and gives up a reply past the bound.
+_HTTP_GRID = "flwr.superlink.grid.http_grid:HttpGrid"
+_INFLATE = "flwr.supercore.inflatable.inflatable_utils"
+PROBES["bounded-pull"] = Probe(
+    "bounded-pull", "a deployed ServerApp pulls each reply only up to the server's bound",
+    (_HTTP_GRID, "flwr.proto.runtime_pb2:PullAppMessagesRequest", "flwr.proto.message_pb2:ConfirmMessageReceivedRequest",
+     "flwr.supercore.inflatable.inflatable_protobuf_utils:make_pull_object_fn_protobuf", f"{_INFLATE}:pull_objects",
+     f"{_INFLATE}:iterate_object_tree", f"{_INFLATE}:inflate_object_from_contents", f"{_INFLATE}:ObjectPullError",
+     "flwr.app.message:make_message", "flwr.common.constant:ErrorCode", "flwr.supercore.constant:SYSTEM_MESSAGE_TYPE",
+     "flwr.supercore.date:now"),
+    "Flower's own pull: a reply is loaded whole before fedsim's decoding refuses it when oversized")
+
+
+def is_http_grid(grid) -> bool:
+    """Whether `grid` is Flower's HTTP grid (a deployed ServerApp's) and the bounded pull holds for it."""
+    try:
+        return isinstance(grid, _get(_HTTP_GRID)) and PROBES["bounded-pull"].holds()
+    except (ImportError, AttributeError):
+        return False
+
+
+class ReplyTooLarge(Exception):
+    """A reply's objects passed the bound while they were pulled."""
+
+
+def pull_replies_bounded(grid, message_ids, limit: int, too_large: Callable[[int, int], str]) -> list:
+    """`HttpGrid.pull_messages` (flwr 1.41) for Flower's HTTP `grid`, each reply's objects counted as
+    they arrive: a reply past `limit` bytes becomes an error reply (reason `too_large(src node id,
+    bytes pulled)`) matched to the message it answers, and what was pulled of it is dropped. A
+    reply's objects are pulled two at a time (Flower's FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS)."""
+    inflate = importlib.import_module(_INFLATE)
+    make_pull = _get("flwr.supercore.inflatable.inflatable_protobuf_utils:make_pull_object_fn_protobuf")
+    client, run_id, node = grid._runtime_client, grid._run.run_id, grid.node  # noqa: SLF001 - HttpGrid's own
+    res = client.PullMessages(_get("flwr.proto.runtime_pb2:PullAppMessagesRequest")(message_ids=message_ids))
+    out = []
+    for msg_proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
+        msg_id = msg_proto.metadata.message_id
+        pull_one = make_pull(pull_object_protobuf=client.PullObject, node=node, run_id=run_id)
+        pulled = [0]
+
+        def counted(object_id: str, pull_one=pull_one, pulled=pulled) -> bytes:
+            content = pull_one(object_id)
+            pulled[0] += len(content)
+            if pulled[0] > limit:
+                raise ReplyTooLarge(object_id)
+            return content
+
+        try:
+            contents = inflate.pull_objects([t.object_id for t in inflate.iterate_object_tree(tree)],
+                                            pull_object_fn=counted)
+        except ReplyTooLarge:
+            out.append(_error_reply(grid, msg_proto, too_large(msg_proto.metadata.src_node_id, pulled[0]), run_id))
+            continue
+        except inflate.ObjectPullError as err:  # as HttpGrid: an object gone or never uploaded
+            out.append(_error_reply(grid, msg_proto, f"Reply message objects are unavailable. {err}", run_id))
+            continue
+        client.ConfirmMessageReceived(_get("flwr.proto.message_pb2:ConfirmMessageReceivedRequest")(
+            node=node, run_id=run_id, message_object_id=msg_id))
+        message = inflate.inflate_object_from_contents(msg_id, contents)
+        message.metadata.__dict__["_message_id"] = msg_id
+        out.append(message)
+    return out
+
+
+def _error_reply(grid, msg_proto, reason: str, run_id: int):
+    """An error reply from the grid's own node in place of a reply not pulled, as HttpGrid makes one."""
+    app = importlib.import_module("flwr.app")
+    node = grid.node.node_id
+    metadata = app.Metadata(run_id=run_id, message_id="", src_node_id=node, dst_node_id=node,
+                            message_type=_get("flwr.supercore.constant:SYSTEM_MESSAGE_TYPE"), group_id="", ttl=0,
+                            reply_to_message_id=msg_proto.metadata.reply_to_message_id,
+                            created_at=_get("flwr.supercore.date:now")().timestamp())
+    error = app.Error(code=_get("flwr.common.constant:ErrorCode").MESSAGE_UNAVAILABLE, reason=reason)
+    return _get("flwr.app.message:make_message")(metadata=metadata, error=error)
