@@ -186,18 +186,19 @@ def test_superlink_restarted_mid_run_fails_the_run_and_resume_completes_it_with_
 @pytest.mark.slow
 @pytest.mark.chaos
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("section", ["{name: lightsecagg, privacy: 1, dropout: 1}", "{name: secaggplus}"])
-def test_a_supernode_killed_during_a_secure_run_drops_out_of_the_next_round(tmp_path, section):
-    """Three SuperNodes, secure aggregation, two rounds; node 2 is SIGKILLed (with its ClientApp
-    process) once round 1 is written, as round 2's protocol starts. Its messages go unanswered until
-    the stage timeout (federation.round_timeout) and it is dropped at the first stage; its reason is
-    filed under client 2, never under the SuperLink's id.
+def test_a_supernode_killed_during_a_secure_run_drops_out_of_the_next_round(tmp_path):
+    """Three SuperNodes, LightSecAgg (U = N - D = 2), two rounds; node 2 is SIGKILLed (with its
+    ClientApp process) once round 1 is written, as round 2's protocol starts. Its messages go
+    unanswered until the stage timeout (federation.round_timeout) and it is dropped at the first
+    stage; its reason is filed under client 2, never under the SuperLink's id; the two survivors
+    are summed.
 
-    LightSecAgg (U = N - D = 2) sums the two survivors. SecAgg+ halts the round although 2 of 3
-    shares would do: Flower's SecAggPlusWorkflow (1.41) asks, at unmask, for `threshold` shares of
-    every node sampled at setup, and a node lost before it dealt its shares has none
-    (secaggplus_workflow.py: unmask_stage); the in-process grid shows the same. The round is
-    recorded as skipped with that reason and the model is left as it was."""
+    SecAgg+ under the same fault halts the round although 2 of 3 shares would do (Flower's
+    SecAggPlusWorkflow, 1.41, asks at unmask for `threshold` shares of every node sampled at setup);
+    that is Flower's protocol code, the same on any grid, so it is shown on the in-process grid
+    (test_secaggplus_halts_when_a_node_is_lost_before_it_dealt_its_shares): on a real SuperLink it
+    took 164 s more of CI."""
+    section = "{name: lightsecagg, privacy: 1, dropout: 1}"
     from test_deployment import SCENARIO, Cluster, wait_summary
 
     over = [s for s in SCENARIO if "rounds" not in s] + ["federation.rounds=2", "federation.round_timeout=30",
@@ -218,13 +219,8 @@ def test_a_supernode_killed_during_a_secure_run_drops_out_of_the_next_round(tmp_
     assert first["secure_aggregation"]["summed"] == [0, 1, 2] and not first["rejected"]
     assert second["sampled"] == [0, 1, 2] and "2" in second["rejected"]
     assert "first stage" in second["rejected"]["2"], second["rejected"]
-    if "lightsecagg" in section:
-        assert second["skipped"] is None and second["secure_aggregation"]["summed"] == [0, 1]
-        assert set(second["rejected"]) == {"2"}
-    else:
-        assert second["skipped"] == "secaggplus halted in every group" and second["secure_aggregation"]["summed"] == []
-        assert all("halted" in second["rejected"][p] for p in ("0", "1")), second["rejected"]
-        assert second["main_accuracy"] == first["main_accuracy"]  # the model stays
+    assert second["skipped"] is None and second["secure_aggregation"]["summed"] == [0, 1]
+    assert set(second["rejected"]) == {"2"}
 
 
 HOSTILE_APP = '''"""A ClientApp that answers as fedsim's, except on partition 2, whose train replies carry
