@@ -456,13 +456,17 @@ def cmd_sweep(args) -> int:
                 overall = progress.add_task("runs", total=len(runs), completed=len(runs) - len(todo), status="")
                 if todo:
                     run_on_one_engine(folder, runs, todo, args, progress, overall, stop, signals, engine)
-        except (RunInterrupted, RunStopped) as err:
-            code = err.exit_code if isinstance(err, RunInterrupted) else 130
+        except (RunInterrupted, RunStopped, OSError) as err:
+            if isinstance(err, OSError) and not _names_a_file_in(err, folder):
+                raise
+            code = err.exit_code if isinstance(err, RunInterrupted) else 130 if isinstance(err, RunStopped) else 1
             done = sum(finished(folder / r.name) for r in runs)
             again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
                      *(["--output", str(args.output)] if args.output is not None else []),
                      *(["--jobs", str(args.jobs)] if args.jobs != 2 else [])]
-            err_console.print(f"sweep interrupted ({err}): {done} of {len(runs)} runs finished, in {folder}; "
+            why = (f"error: cannot write {os.fsdecode(err.filename)}: {err.strerror or err}; the sweep stopped"
+                   if isinstance(err, OSError) else f"sweep interrupted ({err})")
+            err_console.print(f"{why}: {done} of {len(runs)} runs finished, in {folder}; "
                               f"continue with: {shlex.join(again)}", markup=False, highlight=False, soft_wrap=True)
             if not wait_for_threads(5.0):
                 exit_now(code)

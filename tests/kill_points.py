@@ -229,10 +229,10 @@ def _tear(event: str, run_dir: Path, reference: Path) -> None:
         path.write_bytes(os.urandom(1000))
 
 
-def _written_file(event: str) -> str:
-    """The file a write event is for: a temp file's target (`checkpoint/.round-2.pt.tmp123` ->
-    `checkpoint/round-2.pt`)."""
-    path = Path(event.split(" ", 1)[1])
+def written_file(event: str) -> str:
+    """The file a write event is for: a renamed file's new name, a temp file's target
+    (`checkpoint/.round-2.pt.tmp123` -> `checkpoint/round-2.pt`)."""
+    path = Path(event.split(" ", 1)[1].split(" -> ")[-1])
     return str(path.with_name(re.sub(r"^\.(.+)\.tmp\d+$", r"\1", path.name)))
 
 
@@ -279,7 +279,7 @@ def _campaign(scenario, workdir, select, log, errors, server):
             # the server's own file; a client's (its memory) fails that client's message, and the
             # server's next write, on the same full disk, ends the run
             named = re.findall(rf"{os.strerror(getattr(errno, point.error))}: '([^']+)'", out)
-            target = str(cut / _written_file(seen[point.number - 1]))
+            target = str(cut / written_file(seen[point.number - 1]))
             server_file = "/clients/" not in target
             if code != 1 or not named or (named[-1] != target if server_file else not named[-1].startswith(f"{cut}/")):
                 problems.append(f"a failed write did not end the run with an error naming {target} (exit {code})")

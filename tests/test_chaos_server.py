@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kill_points import campaign, kill_points, run_child
+from kill_points import campaign, kill_points, run_child, written_file
 from fedsim.scenario import load_scenario
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,3 +168,28 @@ def test_fedsim_run_on_a_disk_that_fills_up_stops_naming_the_file_and_resumes(tm
                              text=True, timeout=300, cwd=REPO)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert without_times(read_rounds(cut)) == without_times(read_rounds(reference))
+
+
+@pytest.mark.slow
+@pytest.mark.simulation
+def test_fedsim_sweep_with_a_write_that_fails_stops_naming_the_file_and_reruns_to_the_end(tmp_path):
+    """A sweep of two runs (on one Ray engine) whose sixth write fails with ENOSPC, and every one
+    after it: exit code 1, an error naming the file and the command that continues; that command
+    then finishes both runs."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"base: {REPO / 'scenarios/quickstart.yaml'}\nname: tiny\n"
+                     "federation: {rounds: 2, num_clients: 6, clients_per_round: 3}\nattack: null\nsweep: {seed: [0, 1]}\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "1000"}
+    failed = subprocess.run([sys.executable, str(REPO / "tests/kill_points.py"), "cli", str(out), str(tmp_path / "events"),
+                             "6:ENOSPC", "sweep", str(sweep), "--output", str(out)], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=REPO)
+    failing = written_file((tmp_path / "events").read_text().splitlines()[5])
+    assert failed.returncode == 1, failed.stderr[-2000:]
+    assert f"error: cannot write {out / failing}: No space left on device; the sweep stopped" in failed.stderr
+    assert f"continue with: fedsim sweep {sweep} --output {out}" in failed.stderr
+    again = subprocess.run([sys.executable, "-m", "fedsim.cli", "sweep", str(sweep), "--output", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert all((out / "tiny" / run / "summary.json").exists() for run in ("seed_0", "seed_1"))
