@@ -28,6 +28,7 @@ from fedsim.flower.local_grid import StageDropGrid
 from fedsim.runs.checkpoint import load_server
 from fedsim.runs.results import read_rounds
 from fedsim.scenario import ScenarioError
+from test_deploy_commands import APP_TOML
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -249,22 +250,7 @@ def train(msg, context):
     return reply
 '''
 
-HOSTILE_PYPROJECT = '''[project]
-name = "hostile"
-version = "1.0.0"
-
-[tool.flwr.app]
-publisher = "test"
-
-[tool.flwr.app.components]
-serverapp = "fedsim.server.app:app"
-clientapp = "hostile:app"
-
-[tool.flwr.app.config]
-scenario = ""
-overrides = ""
-output-dir = ""
-'''
+HOSTILE_PYPROJECT = APP_TOML.replace('name = "myapp"', 'name = "hostile"').replace("fedsim.client.app:app", "hostile:app")
 
 
 @pytest.mark.slow
