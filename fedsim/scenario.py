@@ -181,6 +181,48 @@ class Cuttlefish(Section):
     skip_last: int = Field(1, ge=0)
 
 
+class EdgeCopySection(Section):
+    """One edge copy of the global model (fedsim/models/edge_copy.py, docs/edge_model.md): pruned, then quantized,
+    as a device's deployment pipeline would, with PyTorch's own utilities."""
+
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z][A-Za-z0-9_]*$", max_length=40,
+        description="the copy's key in rounds.jsonl and summary.json; default from the settings: int8, fp16, prune50, "
+        "prune50_int8, ...")
+    quantize: Literal["int8", "fp16"] | None = Field(
+        None, description="int8: torch.ao.quantization.quantize_dynamic (Linear and LSTM weights int8 per tensor, "
+        "activations quantized per batch at run time; conv layers stay fp32); fp16: the model in half precision")
+    prune: float | None = Field(
+        None, gt=0, lt=1, description="share of the prunable weights (Linear, conv, LSTM weight matrices; no bias, "
+        "BatchNorm or embedding) set to zero by L1 magnitude with torch.nn.utils.prune, made permanent")
+    prune_scope: Literal["global", "layer"] = Field(
+        "global", description="global: the smallest |w| over all prunable weights together (global_unstructured); "
+        "layer: that share in each weight tensor (l1_unstructured)")
+
+    def key(self) -> str:
+        """The copy's name: its own, or one made from its settings (prune 0.5 + int8 -> prune50_int8)."""
+        if self.name is not None:
+            return self.name
+        parts = [] if self.prune is None else [f"prune{self.prune * 100:g}".replace(".", "_")
+                                               + ("" if self.prune_scope == "global" else "_layer")]
+        return "_".join(parts + ([self.quantize] if self.quantize else []))
+
+
+def _one_or_many(value: Any) -> Any:
+    return [value] if isinstance(value, dict) else value
+
+
+def _edge_copies(copies: list[EdgeCopySection]) -> list[EdgeCopySection]:
+    for i, c in enumerate(copies):
+        if c.quantize is None and c.prune is None:
+            raise ValueError(f"edge copy {i} changes nothing: give it quantize (int8, fp16), prune (0 < share < 1) or both")
+    keys = [c.key() for c in copies]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"two edge copies are named {', '.join(twice)}: give each its own `name`")
+    return copies
+
+
 class EvaluationSection(Section):
     every: int = Field(1, ge=1, description="central evaluation every k rounds (and always the last)")
     initial: bool = Field(False, description="also evaluate the initial model (round 0)")
@@ -206,6 +248,10 @@ class EvaluationSection(Section):
     implant_threshold: float = Field(
         0.5, gt=0, le=1, description="backdoor success that counts as implanted / still alive (the lifecycle in summary.json)"
     )
+    edge_model: Annotated[list[EdgeCopySection], BeforeValidator(_one_or_many), AfterValidator(_edge_copies)] = Field(
+        default_factory=list, max_length=8,
+        description="edge copies of the global model (a list, or one mapping): each central evaluation also measures "
+        "main accuracy and backdoor success on each, as a device would run it (docs/edge_model.md)")
 
 
 class ServerSection(Section):

@@ -141,14 +141,46 @@ def federation_time(scenario, rounds: list[dict]) -> dict | None:
     return {"sim_time": timed[-1]["sim_time"], "time_to_accuracy": reached, "stragglers": stragglers, "dropped_out": dropped}
 
 
+def edge_summary(scenario, rounds: list[dict]) -> dict | None:
+    """With evaluation.edge_model: per copy, the final and best main accuracy, the final and peak
+    backdoor success, the last agreement with the fp32 model, and `gap`: the four figures on the copy
+    minus the same on the fp32 model (training rounds only; a backdoor figure is null without an
+    attack); an int8 copy also names torch's quantized engine, whose kernels gave its numbers.
+    None without edge copies."""
+    import torch
+
+    lines = [r for r in rounds if r["round"] > 0 and r.get("edge_model")]
+    if not lines:
+        return None
+
+    def figures(get):
+        acc = [v for r in lines if (v := get(r, "main_accuracy")) is not None]
+        bd = [v for r in lines if (v := get(r, "backdoor_success")) is not None]
+        return {"final_main_accuracy": acc[-1] if acc else None, "best_main_accuracy": max(acc, default=None),
+                "final_backdoor_success": bd[-1] if bd else None, "peak_backdoor_success": max(bd, default=None)}
+
+    fp32 = figures(lambda r, key: r.get(key))
+    int8 = {c.key() for c in scenario.evaluation.edge_model if c.quantize == "int8"}
+    out = {}
+    for name in lines[-1]["edge_model"]:
+        own = figures(lambda r, key: (r["edge_model"].get(name) or {}).get(key))
+        own["final_agreement"] = lines[-1]["edge_model"][name].get("agreement")
+        own["gap"] = {k: None if own[k] is None or fp32[k] is None else own[k] - fp32[k] for k in fp32}
+        if name in int8:
+            own["quantized_engine"] = torch.backends.quantized.engine
+        out[name] = own
+    return out
+
+
 def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
     def series(key):  # training rounds only: round 0 is the initial (possibly pre-trained) model
         return [(r["round"], r[key]) for r in rounds if r.get(key) is not None and r["round"] > 0]
 
     acc, bd = series("main_accuracy"), series("backdoor_success")
     optional = {k: v for k, v in (("privacy", central_privacy(rounds)), ("local_privacy", local_privacy(scenario, rounds)),
-                                  ("federation_time", federation_time(scenario, rounds)))
-                if v is not None}  # present only with differential privacy, on the federation clock
+                                  ("federation_time", federation_time(scenario, rounds)),
+                                  ("edge_model", edge_summary(scenario, rounds)))
+                if v is not None}  # present only with differential privacy, on the federation clock, with edge copies
     return _clean(
         {
             "name": scenario.name,

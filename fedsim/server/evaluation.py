@@ -1,6 +1,7 @@
 """What the server measures on the global model each round: main-task accuracy and loss on the
 (optionally subsampled) test set, the attack's success rate on its own test set, and clean
-accuracy on the edge set's source class."""
+accuracy on the edge set's source class; with `evaluation.edge_model`, the same numbers on each
+edge copy of the model (pruned / quantized as a device runs it: fedsim/models/edge_copy.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from fedsim.devices import resolve_device
+from fedsim.models.edge_copy import edge_copy
 from fedsim.registry import DEFENSES
 from fedsim.seeding import SERVER, derive_seed, numpy_rng
 from fedsim.server.tools import server_sample
@@ -44,6 +46,10 @@ class CentralEvaluator:
         # defenses that certify the global model (CRFL): (name, spec, certify function)
         certify = [(d.name, d, DEFENSES.get(d.name).load("certify")) for d in scenario.defenses]
         self.certifiers = [c for c in certify if c[2] is not None]
+        self.edge_specs = [(f"evaluation.edge_model[{i}]", spec) for i, spec in enumerate(scenario.evaluation.edge_model)]
+        if reference is not None:  # a copy this model cannot have is refused before the first round
+            for where, spec in self.edge_specs:
+                edge_copy(reference, spec, where)
 
     def _set_backdoor(self, backdoor) -> None:
         self.backdoor = backdoor
@@ -75,7 +81,7 @@ class CentralEvaluator:
     def __call__(self, model: torch.nn.Module, rnd: int | None = None) -> dict:
         """One forward pass over each set: the source-class accuracy reuses the main predictions.
         With `rnd`, the certifying defenses' numbers of that round come under `certification`."""
-        on_cpu = self.device.type == "cpu"
+        given, on_cpu = model, self.device.type == "cpu"
         channels_last = self.x.ndim == 4 and on_cpu  # image models: NHWC convolutions are faster on CPU
         if channels_last:
             model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # the caller's model keeps its layout
@@ -93,10 +99,34 @@ class CentralEvaluator:
         if self.source is not None:
             mask = self.y == self.source
             out["source_class_accuracy"] = _share(pred[mask] == self.y[mask])
+        if self.edge_specs:
+            out["edge_model"] = {spec.key(): self._edge(given, where, spec, pred) for where, spec in self.edge_specs}
         if rnd is not None and self.certifiers:
             certification = self.certify(model, rnd)
             if certification is not None:
                 out["certification"] = certification
+        return out
+
+    def _edge(self, model: torch.nn.Module, where: str, spec, fp32_pred: np.ndarray) -> dict:
+        """The fp32 metrics on one edge copy of `model`, with the same sets and batches, plus
+        `agreement`: the share of test inputs on which it predicts the fp32 model's class. An int8
+        copy runs on the CPU (its kernels are CPU only), the others where the evaluation runs."""
+        edge = edge_copy(model, spec, where)
+        device = torch.device("cpu") if edge.cpu_only else self.device
+        edge = edge.to(device)
+        pred, logits = predict(edge, self.x, self.batch_size, False, device)
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(self.y)).item() if len(self.y) else float("nan")
+        out = {"main_accuracy": _share(pred == self.y), "main_loss": float(loss), "agreement": _share(pred == fp32_pred),
+               "backdoor_success": None}
+        if self.backdoor is not None:
+            x_bd, targets = self.backdoor
+            hits = predict(edge, x_bd, self.batch_size, False, device)[0] == targets
+            out["backdoor_success"] = _share(hits)
+            if self.beyond_clean is not None:
+                out["backdoor_success_beyond_clean"] = _share(hits[self.beyond_clean])
+        if self.source is not None:
+            mask = self.y == self.source
+            out["source_class_accuracy"] = _share(pred[mask] == self.y[mask])
         return out
 
 

@@ -12,7 +12,7 @@ Which fields a line has:
   when a client-side attacker took part, `rounds_since_attack` when the scenario has an attack), plus, once its updates
   reached the defenses and rule, `detection`, and, when it was aggregated (`skipped` is null),
   `aggregated`, `global_norm` and `model_params`;
-- with a certifying defense (CRFL), on its rounds, `certification`; with `federation.local_dp`, `local_privacy`;
+- with `evaluation.edge_model`, on evaluated rounds, `edge_model`; with a certifying defense (CRFL), on its rounds, `certification`; with `federation.local_dp`, `local_privacy`;
 - with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
   DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields; under secure aggregation `secure_aggregation` and `secure_aggregation_seconds`;
 - on the federation clock (`systems:`, docs/clock.md), on trained rounds: `sim_start`, `sim_seconds`, `sim_time`,
@@ -101,6 +101,9 @@ class RoundRecord:
     backdoor_success_beyond_clean: float | _Unset = UNSET  # the same over the inputs the clean initial model did not
     #   already send to the target (what the attack added; NaN when the clean model sends all of them there)
     source_class_accuracy: float | None | _Unset = UNSET  # edge-case attacks: clean accuracy on the source class
+    edge_model: dict | _Unset = UNSET  # with evaluation.edge_model, on evaluated rounds: copy name -> its main_accuracy,
+    #   main_loss, backdoor_success (+ _beyond_clean, source_class_accuracy when the fp32 line has them) and agreement
+    #   (share of test inputs where it predicts the fp32 model's class) (fedsim/models/edge_copy.py, docs/edge_model.md)
     certification: dict | _Unset = UNSET  # certifying defenses (CRFL) on their rounds: name -> certified accuracy, radii, ...
     wall_seconds: float | _Unset = UNSET  # seconds since the previous line (its own start for round 1): they add up
 

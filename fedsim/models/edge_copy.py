@@ -1,0 +1,165 @@
+"""Edge copies: the global model as a device would run it after its deployment pipeline prunes and
+quantizes it ("A Tale of Two Models", Hao et al., MLSys 2022), made with PyTorch's own utilities.
+
+- prune (first): `torch.nn.utils.prune` L1 unstructured — `global_unstructured` over all prunable
+  weights together, or `l1_unstructured` per tensor — then `prune.remove`, so the zeros are plain
+  weights. Prunable: the weight matrices of Linear, Conv1d/2d/3d and LSTM layers (low-rank factors
+  are Linear / Conv2d layers, so they count). Biases, BatchNorm and embeddings are left whole. PyTorch
+  prunes `round(share × n)` entries, the smallest |w| (`torch.topk`).
+- quantize int8 (then): `torch.ao.quantization.quantize_dynamic` with torch's default dynamic mapping
+  on {Linear, LSTM}: weights int8, per tensor, symmetric (scale max(|min w|, |max w|) / 127.5, zero
+  point 0: `default_weight_observer`); activations quantized to uint8 at run time from the min/max of
+  each input *tensor* — a batch: an int8 copy's prediction for an input depends on the batch it comes
+  in. The central evaluation feeds it the same batches (`evaluation.batch_size`) every round.
+  Convolutions stay fp32: static quantization would need calibration data and a model rewritten
+  with quant stubs, which fedsim does not do. The int8 kernels are CPU only (fbgemm / x86 /
+  qnnpack: `torch.backends.quantized.engine`, written beside the numbers): an int8 copy runs on the
+  CPU whatever `evaluation.device` says.
+- quantize fp16 (then): `.half()` on parameters and buffers; float inputs are cast to fp16 and the
+  logits back to fp32. CPU half-precision kernels exist for every layer of fedsim's models in torch
+  ≥ 2.1 (checked by tests/test_edge_model.py), so fp16 runs as fp16, on CPU too.
+
+PyTorch marks eager-mode quantization deprecated in favour of torchao; it is still what torch ships
+(2.13), and torchao is not a fedsim dependency.
+
+`differentiable(copy)` is the attacker's view of a copy for DIVA (fedsim/evasion/diva.py): the int8 copy's weights dequantized into an fp32 model whose quantized layers fake-quantize their
+inputs per example with a straight-through gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+from torch.nn.utils import prune as torch_prune
+
+# Raised on every quantize_dynamic call (torch 2.13): the eager API's deprecation notice and the
+# quantized-tensor one. The copies are made each evaluated round, so say it once in the docs instead.
+warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated", category=DeprecationWarning)
+warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel", category=UserWarning)
+
+QUANTIZED_LAYERS = (nn.Linear, nn.LSTM)  # what quantize_dynamic's default mapping covers among fedsim's layers
+PRUNED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.LSTM)
+
+
+class EdgeCopyError(ValueError):
+    """An edge copy that cannot be made of this model; the message names the scenario field."""
+
+
+class EdgeModel(nn.Module):
+    """A copy as a device runs it: float inputs cast to the copy's precision, fp32 logits out."""
+
+    def __init__(self, net: nn.Module, key: str, quantize: str | None, input_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.net, self.key, self.quantize, self.input_dtype = net, key, quantize, input_dtype
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.quantize == "int8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point():
+            x = x.to(self.input_dtype)
+        return self.net(x).float()
+
+
+def prunable(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, parameter name) of every prunable weight, in module order."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, nn.LSTM):
+            out += [(module, n) for n, _ in module.named_parameters(recurse=False) if n.startswith("weight_")]
+        elif isinstance(module, PRUNED_LAYERS):
+            out.append((module, "weight"))
+    return out
+
+
+def prune_(model: nn.Module, share: float, scope: str = "global", field: str = "prune") -> nn.Module:
+    """Zero `share` of `model`'s prunable weights by L1 magnitude, in place, permanently."""
+    params = prunable(model)
+    if not params:
+        raise EdgeCopyError(f"{field}: {type(model).__name__} has no prunable weights (Linear, conv or LSTM)")
+    if scope == "global":
+        torch_prune.global_unstructured(params, pruning_method=torch_prune.L1Unstructured, amount=share)
+    else:
+        for module, name in params:
+            torch_prune.l1_unstructured(module, name, amount=share)
+    for module, name in params:
+        torch_prune.remove(module, name)
+    if any(isinstance(m, nn.LSTM) for m, _ in params):
+        for m in {id(m): m for m, _ in params if isinstance(m, nn.LSTM)}.values():
+            m.flatten_parameters()  # the pruned weights are new tensors: re-pack them for the fused kernel
+    return model
+
+
+def edge_copy(model: nn.Module, spec, field: str = "evaluation.edge_model") -> EdgeModel:
+    """The copy `spec` (an EdgeCopySection: quantize, prune, prune_scope, key()) of `model` on the CPU
+    in eval mode; `model` is left as it is. `field` names the spec in errors."""
+    net = copy.deepcopy(model).cpu().eval()
+    for p in net.parameters():
+        p.requires_grad_(False)
+    if spec.prune is not None:
+        prune_(net, spec.prune, spec.prune_scope, f"{field}.prune")
+    if spec.quantize == "int8":
+        if not any(isinstance(m, QUANTIZED_LAYERS) for m in net.modules()):
+            raise EdgeCopyError(f"{field}.quantize: int8 dynamic quantization quantizes Linear and LSTM layers; "
+                                f"{type(model).__name__} has none")
+        net = torch.ao.quantization.quantize_dynamic(net, set(QUANTIZED_LAYERS), dtype=torch.qint8)
+        return EdgeModel(net, spec.key(), "int8")
+    if spec.quantize == "fp16":
+        return EdgeModel(net.half(), spec.key(), "fp16", torch.float16)
+    return EdgeModel(net, spec.key(), None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The attacker's differentiable view (DIVA)
+
+
+class FakeDynamicLinear(nn.Module):
+    """A dynamically quantized Linear as an fp32 layer: its int8 weights dequantized, its input
+    fake-quantized to uint8 per example (straight-through gradient: torch's fake_quantize op),
+    with the affine scale and zero point that dynamic quantization computes from min/max (range
+    including 0; `reduce_range` halves it on fbgemm / x86, as torch's dynamic observer does)."""
+
+    def __init__(self, q: nn.Module, reduce_range: bool) -> None:
+        super().__init__()
+        self.register_buffer("weight", q.weight().dequantize())
+        bias = q.bias()
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.qmax = 127 if reduce_range else 255
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(x.shape[0], -1)
+        lo = flat.detach().amin(1).clamp(max=0)
+        hi = flat.detach().amax(1).clamp(min=0)
+        scale = ((hi - lo) / self.qmax).clamp(min=torch.finfo(torch.float32).eps)
+        zero = (-lo / scale).round().clamp(0, self.qmax).to(torch.int32)
+        # per example: torch's per-channel fake quantization along axis 0 of [N, ...]
+        xq = torch.fake_quantize_per_channel_affine(x, scale, zero, 0, 0, self.qmax)
+        return nn.functional.linear(xq, self.weight, self.bias)
+
+
+def differentiable(edge: EdgeModel) -> nn.Module:
+    """An fp32 module with the copy's forward as the attacker simulates it, differentiable in its input.
+
+    int8: each dynamically quantized Linear becomes a FakeDynamicLinear (above), per example where the
+    device quantizes per batch (a device classifies one input at a time); quantized LSTMs are refused.
+    fp16: the fp16 weights in fp32 (what the device multiplies, in fp32 arithmetic). Pruned: the copy.
+    """
+    from torch.ao.nn.quantized import dynamic as qd
+
+    net = copy.deepcopy(edge.net)
+    if edge.quantize == "fp16":
+        return net.float()
+    if edge.quantize != "int8":
+        return net
+    reduce_range = torch.backends.quantized.engine in ("fbgemm", "x86")
+    for name, module in list(net.named_modules()):
+        if isinstance(module, qd.LSTM):
+            raise EdgeCopyError(f"{edge.key}: the int8 LSTM has no differentiable simulation here (DIVA needs one)")
+        if isinstance(module, qd.Linear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(net.get_submodule(parent) if parent else net, leaf, FakeDynamicLinear(module, reduce_range))
+    return net
