@@ -7,6 +7,8 @@ summary.json, and the refusals."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +195,80 @@ def test_a_run_with_edge_copies(tmp_path):
         assert fig["peak_backdoor_success"] == max(r["edge_model"][name]["backdoor_success"] for r in edged.rounds)
         assert fig["gap"]["final_main_accuracy"] == pytest.approx(fig["final_main_accuracy"] - last["main_accuracy"])
         assert fig["gap"]["final_backdoor_success"] == pytest.approx(fig["final_backdoor_success"] - last["backdoor_success"])
+
+
+# ------------------------------------------------------------------ DIVA vs PGD (fedsim/evasion/diva.py)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: torch's thread pool only costs time on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=1)
+def _digits_mlp():
+    """An MLP trained on 1,400 of scikit-learn's digits, and the other 397 as the attacked set."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x, y = torch.tensor(d.data / 16, dtype=torch.float32), torch.tensor(d.target)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    for _ in range(300):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[:1400]), y[:1400]).backward()
+        opt.step()
+    return model.eval(), x[1400:], y[1400:]
+
+
+def test_attacks_stay_within_the_budget_and_the_valid_range():
+    from fedsim.evasion.diva import attack_batch
+
+    model, x, y = _digits_mlp()
+    sim = differentiable(edge_copy(model, EdgeCopySection(quantize="int8")))
+    for method in ("diva", "pgd"):
+        adv = attack_batch(method, model, sim, x[:64], y[:64], eps=0.1, step=0.03, steps=10, lo=0.0, hi=1.0)
+        assert (adv - x[:64]).abs().max() <= 0.1 + 1e-6
+        assert adv.min() >= 0 and adv.max() <= 1
+        assert not torch.equal(adv, x[:64])
+
+
+def test_diva_cannot_separate_a_copy_that_equals_the_original():
+    """A copy that prunes nothing (round(1e-6 n) = 0 weights): DIVA's loss has no gradient, so it
+    does not move, and no attack can fool one model and not the other."""
+    from fedsim.evasion.diva import evasion
+
+    model, x, y = _digits_mlp()
+    same = edge_copy(model, EdgeCopySection(prune=1e-6))
+    got = evasion(model, same, x[:100], y[:100], eps=0.1, step=0.02, steps=10, lo=0.0, hi=1.0)
+    assert got["diva"]["max_perturbation"] == 0 and got["diva"]["edge_success"] == 0
+    assert got["pgd"]["edge_success"] > 0 and got["pgd"]["undetected"] == 0
+
+
+@pytest.mark.parametrize("copy", [{"quantize": "int8"}, {"prune": 0.5}])
+def test_diva_evades_the_original_more_often_than_pgd(copy):
+    """The paper's finding (§6.7): PGD fools the edge model more often, but DIVA's successes are far
+    more often undetected by the original model."""
+    from fedsim.evasion.diva import evasion
+
+    model, x, y = _digits_mlp()
+    got = evasion(model, edge_copy(model, EdgeCopySection(**copy)), x, y, eps=0.1, step=0.0125, steps=20, lo=0.0, hi=1.0)
+    diva, pgd = got["diva"], got["pgd"]
+    assert got["qualified"] > 300
+    assert pgd["edge_success"] > diva["edge_success"] > 0
+    assert diva["undetected_of_success"] > pgd["undetected_of_success"]
+    assert diva["original_fooled"] < pgd["original_fooled"]
+
+
+def test_diva_refuses_token_inputs():
+    from fedsim.evasion.diva import evasion
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2)).eval()
+    with pytest.raises(ValueError, match="token ids"):
+        evasion(model, edge_copy(model, EdgeCopySection(prune=0.5)), torch.zeros(4, 3, dtype=torch.long),
+                torch.zeros(4, dtype=torch.long), eps=0.1, step=0.1, steps=1)
