@@ -1,9 +1,11 @@
 """Deployment faults (#38 item 4): a SuperLink restarted mid-run, a node dropping out of a secure
-round, and the replies a SuperLink sends for nodes it has marked offline.
+round, the replies a SuperLink sends for nodes it has marked offline, an oversized reply and a flood
+of replies from a hostile node.
 
 The slow tests start a real SuperLink (with its database on disk) and real SuperNodes as processes
-(tests/test_deployment.py: Cluster) and inject the fault into them: SIGKILL. The fast ones check
-the pieces those rely on in-process.
+(tests/test_deployment.py: Cluster) and inject the fault into them: SIGKILL, a ClientApp of the
+test's own, or a node of the test's own that speaks the Fleet API itself (HOSTILE_NODE). The fast
+ones check the pieces those rely on in-process.
 """
 
 from __future__ import annotations
@@ -316,3 +318,203 @@ def test_secaggplus_halts_when_a_node_is_lost_before_it_dealt_its_shares(stage):
     line, _ = one_round(light, StageDropGrid(make_client_app(light), 6, {victim: stage_light}))
     assert line["skipped"] is None and victim not in line["secure_aggregation"]["summed"]
     assert set(line["rejected"]) == {str(victim)}
+
+
+# A node that floods needs a client of its own: Flower's SuperNode pushes exactly one reply per
+# message. This one speaks the Fleet API with the pieces flwr 1.41's flower-supernode uses
+# (flwr/supernode/fleet_http_connection.py: http_request_response registers and activates the node
+# and sends its heartbeats; start_client_internal.py and supernode/runtime/run_clientapp.py: how a
+# message's objects are pulled and a reply's pushed), non-public modules all of them. It is test code
+# playing an attacker, so those names stay in this string and never reach fedsim/, whose Flower
+# internals are fenced into fedsim/flower/compat.py (tests/test_flower_compat.py scans fedsim/ and
+# the plug-in folders, not tests/). The string is written to tmp_path and run as its own process, as
+# a device's program would be.
+HOSTILE_NODE = r'''"""A SuperNode of its own: registers and activates itself as flower-supernode does, answers every
+message with fedsim's ClientApp, and floods the first train message with replies."""
+import hashlib
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree, no_object_id_recompute
+from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree, push_objects
+from flwr.supernode.fleet_http_connection import http_request_response
+
+from fedsim.client.app import make_client_app
+from fedsim.scenario import load_scenario
+
+address, scenario, overrides, partition, partitions, folder = sys.argv[1:7]
+DIFFERENT, REPEATS, JUNK = int(sys.argv[7]), int(sys.argv[8]), int(sys.argv[9])
+folder = Path(folder)
+app = make_client_app(load_scenario(scenario, json.loads(overrides)))
+
+
+def poisoned(content: RecordDict, k: int) -> RecordDict:
+    """The honest reply's records, every float array scaled by k + 2, plus JUNK random bytes."""
+    out = RecordDict()
+    for key, record in content.items():
+        if isinstance(record, ArrayRecord):
+            record = ArrayRecord(array_dict={n: Array(a.numpy() * (k + 2)) if a.numpy().dtype.kind == "f" else a
+                                             for n, a in record.items()})
+        out[key] = record
+    out["junk"] = ArrayRecord([np.random.default_rng(k).integers(0, 256, size=JUNK, dtype=np.uint8)])
+    return out
+
+
+with http_request_response(address, insecure=True) as (node_id, receive, send, _r, _f, pull_object, push_object,
+                                                       confirm):
+
+    def push(answer: Message) -> int:
+        """Push `answer` as flower-supernode does (its message and object tree, then the objects the
+        SuperLink asks for); the number of objects it asked for: 0 when it refused the reply."""
+        answer.metadata.__dict__["_message_id"] = answer.object_id  # a message's id is its object id
+        with no_object_id_recompute():
+            asked, session = send(answer, get_object_tree(answer), 0.1)
+            if asked:
+                push_objects(get_all_nested_objects(answer), partial(push_object, answer.metadata.run_id, session),
+                             object_ids_to_push=set(asked))
+        return len(asked)
+
+    context = Context(run_id=0, node_id=node_id, state=RecordDict(), run_config={},
+                      node_config={"partition-id": int(partition), "num-partitions": int(partitions)})
+    flooded = False
+    while True:
+        got = receive()
+        if got is None:
+            time.sleep(0.2)
+            continue
+        shell, tree = got
+        run_id = shell.metadata.run_id
+        msg = pull_and_inflate_object_from_tree(tree, partial(pull_object, run_id), partial(confirm, run_id),
+                                                return_type=Message)
+        msg.metadata.__dict__["_message_id"] = tree.object_id
+        context.run_id = run_id
+        reply = app(msg, context)
+        if flooded or msg.metadata.message_type != "train" or reply.has_error():
+            push(reply)
+            continue
+        flooded = True
+        (folder / "ready").write_text(msg.metadata.message_id)
+        deadline = time.time() + 120
+        while not (folder / "go").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        start = time.time()
+        report = {"train_id": msg.metadata.message_id, "honest": push(reply), "reply_id": reply.metadata.message_id}
+        report["different"] = [push(Message(poisoned(reply.content, k), reply_to=msg)) for k in range(DIFFERENT)]
+        report["repeats"] = [push(reply) for _ in range(REPEATS)]
+        fake = Message(reply.content, reply_to=msg)
+        fake_id = hashlib.sha256(b"a message the SuperLink never sent").hexdigest()
+        fake.metadata.__dict__["_reply_to_message_id"] = fake_id
+        report.update(fake_id=fake_id, fake=push(fake), seconds=time.time() - start)
+        (folder / "flood.json").write_text(json.dumps(report))
+'''
+
+
+def descendant_named(pid: int, word: str) -> int | None:
+    """The first live descendant of `pid` whose command line contains `word`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        try:
+            if word in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                return p
+        except OSError:
+            continue
+        todo += children.get(p, [])
+    return None
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """A process's peak resident set size so far (VmHWM in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+@pytest.mark.timeout(600)
+def test_a_flood_of_replies_from_a_hostile_node_is_refused_by_the_superlink_and_counted_once(tmp_path):
+    """Partition 2 is a hostile node of the test's own (HOSTILE_NODE) that speaks the Fleet API itself:
+    it answers every message with fedsim's ClientApp, and for its first train message pushes its honest
+    reply, then 150 replies with other content (every float array scaled, 2 MiB of random junk each),
+    then the honest reply 50 times more, then a reply to a message id the SuperLink never sent, as
+    fast as it can (about 10-15 s on 2 busy cores: the SuperLink answers each push in turn).
+
+    flwr 1.41's SuperLink keeps one reply per message (sql_linkstate.py: store_message_res): it asks
+    for none of the other replies' objects, and logs each as refused, "duplicate reply" until the
+    ServerApp pulls the first reply (which deletes the message), "does not exist" after; a repeat of
+    the stored reply is taken as that reply before the pull (nothing logged) and refused after it;
+    the reply to the unknown id is refused. The run completes, each round's line written once and the
+    same lines as the in-process run (the hostile client's update counted once, the honest one), and
+    neither the ServerApp's nor the SuperLink's peak memory grows by a tenth of what the flood
+    announced."""
+    from test_deployment import SCENARIO, Cluster, in_process_rounds, strip, wait_summary
+
+    different, repeats, junk = 150, 50, 2 * 2**20
+    sets = [s for s in SCENARIO if "rounds" not in s] + ["federation.rounds=2", "federation.round_timeout=120"]
+    script = tmp_path / "hostile_node.py"
+    script.write_text(HOSTILE_NODE)
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.superlink()
+        link = cluster.procs[-1]
+        for i in range(2):
+            cluster.supernode(i, 3)
+        cluster.start([sys.executable, str(script), cluster.address, str(REPO / "scenarios" / "quickstart.yaml"),
+                       json.dumps(sets), "2", "3", str(tmp_path), str(different), str(repeats), str(junk)], "hostile")
+        run = cluster.run(sets)
+        deadline = time.time() + 300
+        while not (tmp_path / "ready").exists():
+            assert time.time() < deadline and run.poll() is None, (tmp_path / "hostile.log").read_text()[-3000:]
+            time.sleep(0.2)
+        server_app = descendant_named(link.pid, "flwr-serverapp")
+        assert server_app is not None
+        before = {"serverapp": peak_rss_bytes(server_app), "superlink": peak_rss_bytes(link.pid)}
+        (tmp_path / "go").write_text("")
+        wait_for_round(cluster, 1, run)
+        # round 2 is still to come: the ServerApp is alive
+        after = {"serverapp": peak_rss_bytes(server_app), "superlink": peak_rss_bytes(link.pid)}
+        summary = wait_summary(cluster, 300, run)
+        assert run.wait(timeout=120) == 0  # `flwr run --stream` has printed the ServerApp's whole log
+        rounds = [r for r in read_rounds(cluster.run_dir()) if r["round"] > 0]
+    finally:
+        cluster.stop()
+    flood = json.loads((tmp_path / "flood.json").read_text())
+    link_log = (tmp_path / "superlink.log").read_text()
+    duplicate = f"duplicate reply for reply_to_message_id {flood['train_id']}"
+    gone = f"with message_id {flood['train_id']} does not exist"
+    refusals = [line for line in link_log.splitlines() if duplicate in line or gone in line]
+    print(f"flood: {1 + different + repeats + 1} pushes in {flood['seconds']:.1f} s; SuperLink refusals "
+          f"{sum(duplicate in x for x in refusals)} duplicate, {sum(gone in x for x in refusals)} gone; peak RSS MiB "
+          + ", ".join(f"{k} {before[k] / 2**20:.1f} -> {after[k] / 2**20:.1f}" for k in before)
+          + "; round seconds " + str([r["wall_seconds"] for r in rounds]))
+    # the attacker's side: the SuperLink asked for the objects of its first reply only
+    assert flood["honest"] > 0 and flood["different"] == [0] * different and flood["repeats"] == [0] * repeats
+    assert flood["fake"] == 0
+    # the SuperLink's side: every different reply refused, as a duplicate until the ServerApp pulled the
+    # first reply (which deletes the message), as a reply to a message that no longer exists after;
+    # a repeat of the stored reply is taken silently as that reply before the pull, refused after it
+    assert different <= len(refusals) <= different + repeats, len(refusals)
+    kinds = [duplicate in line for line in refusals]
+    assert kinds == sorted(kinds, reverse=True), "a duplicate refusal after the message was gone"
+    assert link_log.count(f"with message_id {flood['fake_id']} does not exist") == 1
+    assert summary["rounds_completed"] == 2 and [r["round"] for r in rounds] == [1, 2]
+    log = (tmp_path / "flwr_run.log").read_text()
+    assert [log.count(f"fedsim round {k}/2: acc ") for k in (1, 2)] == [1, 1], log[-3000:]
+    assert all(r["sampled"] == [0, 1, 2] and r["aggregated"] == [0, 1, 2] and not r["rejected"] for r in rounds)
+    assert strip(in_process_rounds(tmp_path, sets)) == strip(rounds)  # counted once, the honest reply
+    for proc in ("serverapp", "superlink"):  # the flood announced different * junk bytes of content
+        assert after[proc] - before[proc] < different * junk / 10, (proc, before, after)
