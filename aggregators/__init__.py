@@ -13,5 +13,7 @@ from fedsim.aggregators import fltrust  # noqa: F401  (registers)
 from fedsim.aggregators import dnc, signguard  # noqa: F401  (register)
 from fedsim.aggregators import detox  # noqa: F401  (registers; nests the rules above)
 from fedsim.aggregators import centered_clipping, mixing  # noqa: F401  (register; bucketing and nnm wrap an inner rule)
+from fedsim.aggregators import mda, smea, caf, meamed, monna  # noqa: F401  (register; ByzFL's robust rules)
+from fedsim.aggregators import arc  # noqa: F401  (registers; adaptive clipping wraps an inner rule)
 
 __all__ = ["AggregationError"]

@@ -314,8 +314,9 @@ def run_with_defaults(entry, updates, weights, **overrides):
 # and, as in Flower, the lower index wins. That happens whenever f <= 2, so the order-free check
 # uses f = 3 (n' - f - 2 >= 2 down to the last step). The one-pass selections are checked too.
 # Rules whose groups are positions in the batch by definition: not expected to be order-free.
-# DETOX votes inside groups of consecutive rows (clients that trained on the same data).
-POSITIONAL_RULES = {"detox"}
+# DETOX votes inside groups of consecutive rows (clients that trained on the same data); MoNNA
+# averages around the row at `anchor` (its order-free check is in test_aggregators_byzfl.py).
+POSITIONAL_RULES = {"detox", "monna"}
 # Rules that draw a random permutation of the rows: the permutation depends on the row order by
 # design (checked against a loop reference with the same permutation in its own test file).
 RANDOMIZED_RULES = {"bucketing"}
