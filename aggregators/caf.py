@@ -39,8 +39,9 @@ Where ByzFL (0.0.11, `byzfl.CAF`) differs: it runs one power-method step from an
 vector, so its lambda is ||Sigma_c v0|| for a random unit v0 and its "eigenvector" the normalised
 Sigma_c v0; both are exact only when d = 1. In higher dimension its weights follow a random
 direction and its output changes from call to call. This module follows the paper (the top
-eigenpair); tests/test_aggregators_byzfl.py checks equal outputs with d = 1, and where far
-outliers make ByzFL's output the same under every seed it was run with.
+eigenpair); tests/test_aggregators_byzfl.py checks equal outputs with d = 1 and tau_max=all
+(on far outliers, where that variant runs past its cap, that it is refused and the default
+zeroes them). In d > 1 no far-outlier case gave ByzFL the same output under every seed.
 
 Conventions where the paper says nothing: unweighted (c starts at 1 whatever the example
 counts); a row holding NaN or inf starts at weight 0 (its tau would be infinite, so the first
