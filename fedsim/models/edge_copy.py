@@ -117,6 +117,14 @@ def edge_copy(model: nn.Module, spec, field: str = "evaluation.edge_model") -> E
 # The attacker's differentiable view (DIVA)
 
 
+def _fake_input(x: torch.Tensor, qmax: int) -> torch.Tensor:
+    flat = x.reshape(x.shape[0], -1)
+    lo, hi = flat.detach().amin(1).clamp(max=0), flat.detach().amax(1).clamp(min=0)
+    scale = ((hi - lo) / qmax).clamp(min=torch.finfo(torch.float32).eps)
+    zero = (-lo / scale).round().clamp(0, qmax).to(torch.int32)
+    return torch.fake_quantize_per_channel_affine(x, scale, zero, 0, 0, qmax)
+
+
 class FakeDynamicLinear(nn.Module):
     """A dynamically quantized Linear as an fp32 layer: its int8 weights dequantized, its input
     fake-quantized to uint8 per example (straight-through gradient: torch's fake_quantize op),
@@ -131,14 +139,7 @@ class FakeDynamicLinear(nn.Module):
         self.qmax = 127 if reduce_range else 255
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(x.shape[0], -1)
-        lo = flat.detach().amin(1).clamp(max=0)
-        hi = flat.detach().amax(1).clamp(min=0)
-        scale = ((hi - lo) / self.qmax).clamp(min=torch.finfo(torch.float32).eps)
-        zero = (-lo / scale).round().clamp(0, self.qmax).to(torch.int32)
-        # per example: torch's per-channel fake quantization along axis 0 of [N, ...]
-        xq = torch.fake_quantize_per_channel_affine(x, scale, zero, 0, 0, self.qmax)
-        return nn.functional.linear(xq, self.weight, self.bias)
+        return nn.functional.linear(_fake_input(x, self.qmax), self.weight, self.bias)
 
 
 def differentiable(edge: EdgeModel) -> nn.Module:
@@ -163,3 +164,4 @@ def differentiable(edge: EdgeModel) -> nn.Module:
             parent, _, leaf = name.rpartition(".")
             setattr(net.get_submodule(parent) if parent else net, leaf, FakeDynamicLinear(module, reduce_range))
     return net
+
