@@ -4,7 +4,7 @@ strategy and ClientApp, no Ray), then print
 
 1. per edge copy (evaluation.edge_model), main accuracy and backdoor success on the last round's
    global model, beside the fp32 model's, and the gap edge - fp32 (summary.json's `edge_model`);
-2. DIVA vs PGD (fedsim/evasion/diva.py) on the final global model and each int8 / pruned copy: on a
+2. DIVA vs PGD (fedsim/evasion/diva.py) on the final global model and each int8 (dynamic) / pruned copy: on a
    fixed seeded subset of the test set, L∞ budget `--eps` in pixel units (of [0, 1]), `--steps`
    signed steps of eps/8 (the official code's 8/255 budget with steps of 1/255), c = 1.
 
@@ -87,8 +87,10 @@ def measure(run_dir: Path, eps_pixels: float, steps: int, inputs: int, seed: int
            "evasion_settings": {"eps_pixels": eps_pixels, "step_pixels": eps_pixels / 8, "steps": steps, "c": 1.0,
                                 "inputs": len(ys), "seed": seed, "quantized_engine": torch.backends.quantized.engine}}
     for i, spec in enumerate(scenario.evaluation.edge_model):
-        if spec.quantize == "fp16":
-            continue  # fp16 agrees with fp32 on nearly every input: nothing for DIVA to separate
+        if spec.quantize in ("fp16", "int8_static"):
+            # fp16 agrees with fp32 on nearly every input: nothing for DIVA to separate; a static int8
+            # copy has no differentiable simulation here
+            continue
         started = time.perf_counter()
         edge = edge_copy(model, spec, f"evaluation.edge_model[{i}]")
         got = evasion(model, edge, xs, ys, eps=eps_pixels * scale, step=eps_pixels * scale / 8, steps=steps,

@@ -189,9 +189,13 @@ class EdgeCopySection(Section):
         None, pattern=r"^[A-Za-z][A-Za-z0-9_]*$", max_length=40,
         description="the copy's key in rounds.jsonl and summary.json; default from the settings: int8, fp16, prune50, "
         "prune50_int8, ...")
-    quantize: Literal["int8", "fp16"] | None = Field(
+    quantize: Literal["int8", "int8_static", "fp16"] | None = Field(
         None, description="int8: torch.ao.quantization.quantize_dynamic (Linear and LSTM weights int8 per tensor, "
-        "activations quantized per batch at run time; conv layers stay fp32); fp16: the model in half precision")
+        "activations quantized per batch at run time; conv layers stay fp32); int8_static: torch.fx static "
+        "quantization of every layer, activations calibrated (image models); fp16: the model in half precision")
+    calibration: int = Field(
+        256, ge=1, le=100_000, description="int8_static: test examples whose activation ranges calibrate the copy "
+        "(a fixed seeded subset of the evaluated test set)")
     prune: float | None = Field(
         None, gt=0, lt=1, description="share of the prunable weights (Linear, conv, LSTM weight matrices; no bias, "
         "BatchNorm or embedding) set to zero by L1 magnitude with torch.nn.utils.prune, made permanent")

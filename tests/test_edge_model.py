@@ -21,8 +21,9 @@ from fedsim.scenario import EdgeCopySection, ScenarioError
 from fedsim.server.evaluation import CentralEvaluator
 from fedsim.server.record import without_times
 
-# torch 2.13 warns on every quantized tensor it creates (fedsim/models/edge_copy.py filters it in runs)
-pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+# torch 2.13 warns on every quantized tensor and observer it creates (fedsim/models/edge_copy.py filters them in runs)
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning"),
+              pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max:UserWarning")]
 
 
 def _lenet(seed=0):
@@ -102,6 +103,41 @@ def test_pruning_zeroes_exactly_that_share_of_the_smallest_weights(scope):
     assert not any("_orig" in n or "_mask" in n for n, _ in edge.net.named_parameters())  # made permanent
 
 
+def test_static_int8_copy_quantizes_convolutions_too_calibrated_on_the_given_inputs():
+    model = _lenet(4)
+    torch.manual_seed(5)
+    calib, x = torch.randn(300, 1, 28, 28), torch.randn(64, 1, 28, 28)
+    spec = EdgeCopySection(quantize="int8_static", calibration=200)
+    edge = edge_copy(model, spec, calibration=calib)
+    kinds = {type(m).__module__ for m in edge.net.modules()}
+    assert any(k.startswith("torch.ao.nn.intrinsic.quantized") or k.startswith("torch.ao.nn.quantized.modules.conv")
+               for k in kinds)  # the convolutions are int8 (fused with their ReLU)
+    assert not any(isinstance(m, nn.Conv2d) for m in edge.net.modules())
+    with torch.no_grad():
+        want, got = model(x), edge(x)
+    assert (got.argmax(1) == want.argmax(1)).float().mean() >= 0.9
+    assert not torch.equal(got, want)
+    with torch.no_grad():  # the same inputs calibrate the same copy; other ones another
+        assert torch.equal(edge_copy(model, spec, calibration=calib)(x), got)
+        assert not torch.equal(edge_copy(model, spec, calibration=calib[100:])(x), got)
+        assert torch.equal(edge_copy(model, spec, calibration=torch.cat([calib[:200], x]))(x), got)  # its first 200 only
+
+
+def test_static_int8_copy_is_refused_where_it_cannot_be_made():
+    from fedsim.models.recurrent import LstmClassifier
+
+    spec = EdgeCopySection(quantize="int8_static")
+    with pytest.raises(EdgeCopyError, match=r"\.quantize: int8_static needs calibration"):
+        edge_copy(_lenet(), spec)
+    lstm = LstmClassifier(50, 8, 8, 1, 2, 0.0, False).eval()
+    with pytest.raises(EdgeCopyError, match=r"evaluation\.edge_model\[0\]\.quantize: int8_static .* use int8"):
+        edge_copy(lstm, spec, "evaluation.edge_model[0]", calibration=torch.randn(4, 10))
+    with pytest.raises(EdgeCopyError, match="token ids"):
+        edge_copy(lstm, spec, calibration=torch.zeros(4, 10, dtype=torch.long))
+    with pytest.raises(EdgeCopyError, match="no differentiable simulation"):
+        differentiable(edge_copy(_lenet(), spec, calibration=torch.randn(8, 1, 28, 28)))
+
+
 def test_pruned_then_quantized_copy():
     """Pruned first, then quantized (a deployment pipeline's order): the pruned zeros stay zeros."""
     model = _lenet()
@@ -151,6 +187,7 @@ def test_schema_names_copies_and_refuses_empty_or_twice_named_ones():
     sc = quick_scenario(evaluation={"edge_model": [{"prune": 0.5}, {"prune": 0.25, "quantize": "fp16", "prune_scope": "layer"},
                                                    {"name": "device", "quantize": "int8", "prune": 0.5}]})
     assert [c.key() for c in sc.evaluation.edge_model] == ["prune50", "prune25_layer_fp16", "device"]
+    assert quick_scenario(evaluation={"edge_model": {"quantize": "int8_static"}}).evaluation.edge_model[0].key() == "int8_static"
     with pytest.raises(ScenarioError, match="changes nothing"):
         quick_scenario(evaluation={"edge_model": [{}]})
     with pytest.raises(ScenarioError, match="two edge copies are named int8"):
@@ -159,7 +196,7 @@ def test_schema_names_copies_and_refuses_empty_or_twice_named_ones():
         quick_scenario(evaluation={"edge_model": [{"quantize": "int4"}]})
 
 
-EDGE = "evaluation.edge_model=[{quantize: int8}, {quantize: fp16}, {prune: 0.5}]"
+EDGE = "evaluation.edge_model=[{quantize: int8}, {quantize: fp16}, {prune: 0.5}, {quantize: int8_static, calibration: 100}]"
 RUN = ["federation.rounds=3", "federation.num_clients=8", "federation.clients_per_round=4",
        "attack.schedule.every=2", "attack.schedule.first=1"]
 
@@ -177,7 +214,7 @@ def test_a_run_with_edge_copies(tmp_path):
 
     for line in edged.rounds:
         copies = line["edge_model"]
-        assert set(copies) == {"int8", "fp16", "prune50"}
+        assert set(copies) == {"int8", "fp16", "prune50", "int8_static"}
         for got in copies.values():
             assert {"main_accuracy", "main_loss", "agreement", "backdoor_success", "backdoor_success_beyond_clean",
                     "source_class_accuracy"} <= set(got)

@@ -15,6 +15,13 @@ quantizes it ("A Tale of Two Models", Hao et al., MLSys 2022), made with PyTorch
   with quant stubs, which fedsim does not do. The int8 kernels are CPU only (fbgemm / x86 /
   qnnpack: `torch.backends.quantized.engine`, written beside the numbers): an int8 copy runs on the
   CPU whatever `evaluation.device` says.
+- quantize int8_static (then): torch.fx graph-mode static quantization (`prepare_fx` with torch's
+  default qconfig mapping for the quantized engine, calibration passes, `convert_fx`): every
+  Linear and convolution int8 (weights per channel), activations uint8 with ranges fixed by the
+  calibration inputs — the central evaluation passes a fixed seeded subset of its own test set
+  (`calibration` examples), so the copy is the same every time for the same model. Conv-BN-ReLU
+  are fused as the engine would run them. Models torch.fx cannot trace (the LSTMs: control flow on
+  the input) are refused. CPU only, as int8.
 - quantize fp16 (then): `.half()` on parameters and buffers; float inputs are cast to fp16 and the
   logits back to fp32. CPU half-precision kernels exist for every layer of fedsim's models in torch
   ≥ 2.1 (checked by tests/test_edge_model.py), so fp16 runs as fp16, on CPU too.
@@ -35,9 +42,11 @@ import torch
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
-# Raised on every quantize_dynamic call (torch 2.13): the eager API's deprecation notice and the
-# quantized-tensor one. The copies are made each evaluated round, so say it once in the docs instead.
+# Raised on every quantize_dynamic / prepare_fx call (torch 2.13): the eager API's deprecation notice,
+# the quantized-tensor one and the observers' reduce_range one. The copies are made each evaluated
+# round: docs/edge_model.md says it once instead.
 warnings.filterwarnings("ignore", message=r"torch\.ao\.quantization is deprecated", category=DeprecationWarning)
+warnings.filterwarnings("ignore", message=r"Please use quant_min and quant_max to specify the range for observers")
 warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel", category=UserWarning)
 
 QUANTIZED_LAYERS = (nn.Linear, nn.LSTM)  # what quantize_dynamic's default mapping covers among fedsim's layers
@@ -57,7 +66,7 @@ class EdgeModel(nn.Module):
 
     @property
     def cpu_only(self) -> bool:
-        return self.quantize == "int8"
+        return self.quantize in ("int8", "int8_static")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():
@@ -94,9 +103,12 @@ def prune_(model: nn.Module, share: float, scope: str = "global", field: str = "
     return model
 
 
-def edge_copy(model: nn.Module, spec, field: str = "evaluation.edge_model") -> EdgeModel:
-    """The copy `spec` (an EdgeCopySection: quantize, prune, prune_scope, key()) of `model` on the CPU
-    in eval mode; `model` is left as it is. `field` names the spec in errors."""
+def edge_copy(model: nn.Module, spec, field: str = "evaluation.edge_model",
+              calibration: torch.Tensor | None = None, batch_size: int = 256) -> EdgeModel:
+    """The copy `spec` (an EdgeCopySection: quantize, prune, prune_scope, calibration, key()) of `model`
+    on the CPU in eval mode; `model` is left as it is. `field` names the spec in errors.
+    `calibration`: the inputs an int8_static copy calibrates on (its first `spec.calibration`),
+    in batches of `batch_size`."""
     net = copy.deepcopy(model).cpu().eval()
     for p in net.parameters():
         p.requires_grad_(False)
@@ -108,9 +120,35 @@ def edge_copy(model: nn.Module, spec, field: str = "evaluation.edge_model") -> E
                                 f"{type(model).__name__} has none")
         net = torch.ao.quantization.quantize_dynamic(net, set(QUANTIZED_LAYERS), dtype=torch.qint8)
         return EdgeModel(net, spec.key(), "int8")
+    if spec.quantize == "int8_static":
+        return EdgeModel(_static_int8(net, spec, field, calibration, batch_size, type(model).__name__), spec.key(),
+                         "int8_static")
     if spec.quantize == "fp16":
         return EdgeModel(net.half(), spec.key(), "fp16", torch.float16)
     return EdgeModel(net, spec.key(), None)
+
+
+def _static_int8(net: nn.Module, spec, field: str, calibration: torch.Tensor | None, batch_size: int,
+                 model_name: str) -> nn.Module:
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    if calibration is None or not len(calibration):
+        raise EdgeCopyError(f"{field}.quantize: int8_static needs calibration inputs (the evaluated test set)")
+    if not calibration.is_floating_point():
+        raise EdgeCopyError(f"{field}.quantize: int8_static calibrates float inputs; {model_name} takes token ids: "
+                            "use int8 (dynamic)")
+    calibration = calibration[: spec.calibration]
+    try:
+        prepared = prepare_fx(net, get_default_qconfig_mapping(torch.backends.quantized.engine),
+                              example_inputs=(calibration[:1],))
+    except Exception as err:  # noqa: BLE001  (torch.fx raises several kinds for a model it cannot trace)
+        raise EdgeCopyError(f"{field}.quantize: int8_static traces the model with torch.fx, which {model_name} does not "
+                            f"allow ({type(err).__name__}: {str(err)[:120]}); use int8 (dynamic)") from None
+    with torch.no_grad():
+        for i in range(0, len(calibration), batch_size):
+            prepared(calibration[i : i + batch_size])
+    return convert_fx(prepared)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,6 +192,9 @@ def differentiable(edge: EdgeModel) -> nn.Module:
     net = copy.deepcopy(edge.net)
     if edge.quantize == "fp16":
         return net.float()
+    if edge.quantize == "int8_static":
+        raise EdgeCopyError(f"{edge.key}: no differentiable simulation of a static int8 copy here (DIVA supports int8, "
+                            "fp16 and pruned copies)")
     if edge.quantize != "int8":
         return net
     reduce_range = torch.backends.quantized.engine in ("fbgemm", "x86")

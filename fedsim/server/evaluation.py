@@ -19,6 +19,7 @@ from fedsim.training import predict
 
 
 CERTIFY = 0xCE7  # seed stream of a certifying defense's noise
+CALIBRATE = 0xCA1  # seed stream of a static int8 edge copy's calibration subset
 
 
 class CentralEvaluator:
@@ -47,9 +48,15 @@ class CentralEvaluator:
         certify = [(d.name, d, DEFENSES.get(d.name).load("certify")) for d in scenario.defenses]
         self.certifiers = [c for c in certify if c[2] is not None]
         self.edge_specs = [(f"evaluation.edge_model[{i}]", spec) for i, spec in enumerate(scenario.evaluation.edge_model)]
+        # a static int8 copy's calibration inputs: a fixed seeded subset of the evaluated test set
+        need = max((s.calibration for _, s in self.edge_specs if s.quantize == "int8_static"), default=0)
+        self.calibration = None
+        if need:
+            pick = np.sort(numpy_rng(scenario.seed, SERVER, CALIBRATE).permutation(len(self.y))[:need])
+            self.calibration = torch.from_numpy(np.array(self.x[pick]))
         if reference is not None:  # a copy this model cannot have is refused before the first round
             for where, spec in self.edge_specs:
-                edge_copy(reference, spec, where)
+                self._copy(reference, where, spec)
 
     def _set_backdoor(self, backdoor) -> None:
         self.backdoor = backdoor
@@ -107,11 +114,14 @@ class CentralEvaluator:
                 out["certification"] = certification
         return out
 
+    def _copy(self, model: torch.nn.Module, where: str, spec):
+        return edge_copy(model, spec, where, self.calibration, self.batch_size)
+
     def _edge(self, model: torch.nn.Module, where: str, spec, fp32_pred: np.ndarray) -> dict:
         """The fp32 metrics on one edge copy of `model`, with the same sets and batches, plus
         `agreement`: the share of test inputs on which it predicts the fp32 model's class. An int8
         copy runs on the CPU (its kernels are CPU only), the others where the evaluation runs."""
-        edge = edge_copy(model, spec, where)
+        edge = self._copy(model, where, spec)
         device = torch.device("cpu") if edge.cpu_only else self.device
         edge = edge.to(device)
         pred, logits = predict(edge, self.x, self.batch_size, False, device)
