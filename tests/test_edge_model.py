@@ -162,6 +162,48 @@ def test_differentiable_int8_simulation_is_the_int8_model_on_one_input():
     assert x.grad.abs().sum() > 0  # straight-through gradient reaches the input
 
 
+def _batchnorm_resnet():
+    from fedsim.models.resnet import ResNet20Params, resnet20
+
+    torch.manual_seed(6)
+    model = resnet20((3, 32, 32), 10, ResNet20Params())
+    model.train()
+    with torch.no_grad():  # running statistics of their own, so that eval mode is not the identity
+        model(torch.randn(64, 3, 32, 32) * 2 + 0.3)
+    return model.eval()
+
+
+def _lowrank_lenet():
+    from fedsim.lowrank.layers import FACTORIZED, factorizable_layers, factorize, rank_for_ratio
+
+    model = _lenet(7)
+    low = factorize(model, {n: rank_for_ratio(model.get_submodule(n)) for n in factorizable_layers(model)})
+    assert any(isinstance(m, FACTORIZED) for m in low.modules())
+    return low.eval()
+
+
+@pytest.mark.parametrize("make", [_batchnorm_resnet, _lowrank_lenet], ids=["batchnorm_resnet20", "lowrank_lenet"])
+def test_every_copy_of_batchnorm_and_low_rank_models(make):
+    """BatchNorm (kept whole by pruning, folded into the convolutions by static int8) and Pufferfish's
+    factorized layers (two Linear / Conv2d each: pruned and quantized like any other)."""
+    model = make()
+    shape = (3, 32, 32) if make is _batchnorm_resnet else (1, 28, 28)
+    torch.manual_seed(8)
+    x, calib = torch.randn(32, *shape), torch.randn(64, *shape)
+    with torch.no_grad():
+        want = model(x)
+    for spec in (EdgeCopySection(quantize="int8"), EdgeCopySection(quantize="int8_static"), EdgeCopySection(quantize="fp16"),
+                 EdgeCopySection(prune=0.5, quantize="int8")):
+        edge = edge_copy(model, spec, calibration=calib)
+        with torch.no_grad():
+            got = edge(x)
+        assert got.shape == want.shape and torch.isfinite(got).all(), spec.key()
+        assert (got.argmax(1) == want.argmax(1)).float().mean() >= (0.5 if spec.prune else 0.8), spec.key()
+    pruned = edge_copy(model, EdgeCopySection(prune=0.5)).net
+    for name, buffer in model.named_buffers():  # BatchNorm statistics untouched
+        assert torch.equal(pruned.get_buffer(name), buffer)
+
+
 def test_an_edge_copy_that_cannot_be_made_is_refused_naming_the_field():
     convs = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()).eval()
     with pytest.raises(EdgeCopyError, match=r"evaluation\.edge_model\[1\]\.quantize: int8"):
