@@ -79,8 +79,9 @@ def test_killed_or_failing_at_one_point_of_each_kind_resumes_identically(tmp_pat
 
 @pytest.mark.slow
 def test_killed_at_every_write_resumes_identically(tmp_path):
-    """Every write killed, every opening torn, and every opening failing with a full disk."""
-    points, outcomes = campaign(scenario(), tmp_path, log=print, errors=("ENOSPC",))
+    """Every write killed, and every opening torn. (A failing write at every opening too:
+    benchmarks/chaos.py; the quick test fails one of each kind.)"""
+    points, outcomes = campaign(scenario(), tmp_path, log=print)
     failed = {o.point.label: o.problems for o in outcomes if not o.identical}
     assert not failed and len(outcomes) == len(points) and sum(o.lines_lost for o in outcomes) == 0
 
@@ -88,8 +89,8 @@ def test_killed_at_every_write_resumes_identically(tmp_path):
 @pytest.mark.slow
 @pytest.mark.simulation
 def test_fedsim_run_killed_on_ray_resumes_identically(tmp_path):
-    """The real `fedsim run` (Ray-simulated clients) SIGKILLed before round 2's line and while writing
-    round 3's checkpoint; `fedsim run --resume` ends as the run left alone."""
+    """The real `fedsim run` (Ray-simulated clients) SIGKILLed while writing round 3's checkpoint
+    (round 2's line written, its client actors busy); `fedsim run --resume` ends as the run left alone."""
     from fedsim.runs.results import read_rounds
     from fedsim.server.record import without_times
 
@@ -104,9 +105,8 @@ def test_fedsim_run_killed_on_ray_resumes_identically(tmp_path):
     assert fedsim(whole, 0, *args, "--output", str(whole)) == 0
     events = (whole / "events").read_text().splitlines()
     (reference,) = [p for p in whole.iterdir() if p.is_dir()]
-    second_line = [i for i, e in enumerate(events) if e.endswith("/rounds.jsonl")][1] + 1
     third_checkpoint = next(i for i, e in enumerate(events) if ".round-3.pt.tmp" in e) + 1
-    for kill_at in (second_line, third_checkpoint):
+    for kill_at in (third_checkpoint,):
         root = tmp_path / f"cut-{kill_at}"
         assert fedsim(root, kill_at, *args, "--output", str(root)) == -signal.SIGKILL
         (cut,) = [p for p in root.iterdir() if p.is_dir()]
