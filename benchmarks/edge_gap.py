@@ -83,7 +83,8 @@ def measure(run_dir: Path, eps_pixels: float, steps: int, inputs: int, seed: int
     scale = (hi - lo).amax().item()  # model units per pixel unit (1 / std)
     out = {"run_dir": str(run_dir), "round": rnd, "fp32": {k: summary.get(k) for k in
                                                             ("final_main_accuracy", "final_backdoor_success")},
-           "edge_model": summary.get("edge_model", {}), "evasion": {},
+           "edge_model": summary.get("edge_model", {}), "detection": summary.get("detection"),
+           "defenses": [d["name"] for d in summary["scenario"].get("defenses", [])], "evasion": {},
            "evasion_settings": {"eps_pixels": eps_pixels, "step_pixels": eps_pixels / 8, "steps": steps, "c": 1.0,
                                 "inputs": len(ys), "seed": seed, "quantized_engine": torch.backends.quantized.engine}}
     for i, spec in enumerate(scenario.evaluation.edge_model):
@@ -117,6 +118,12 @@ def report(name: str, m: dict) -> None:
         print(f"{key:<12} {_pct(e['final_main_accuracy']):>10} {_gap(e['gap']['final_main_accuracy']):>7} "
               f"{_pct(e['final_backdoor_success']):>10} {_gap(e['gap']['final_backdoor_success']):>7} "
               f"{_pct(e['final_agreement']):>8}")
+    det = m["detection"] or {}
+    if m["defenses"] and det:  # what the defenses, which see only the fp32 updates, did to the attackers
+        print(f"defenses {', '.join(m['defenses'])} on the fp32 updates: attackers flagged {det['tp']} of "
+              f"{det['tp'] + det['fn']}, honest flagged {det['fp']} of {det['fp'] + det['tn']}, attackers clipped "
+              f"{det.get('clipped_attackers', 0)}, honest clipped {det.get('clipped_honest', 0)}, attackers' mean weight "
+              f"share {_pct(det.get('mean_attacker_weight_share'))} %")
     s = m["evasion_settings"]
     print(f"DIVA vs PGD: {s['inputs']} test inputs (seed {s['seed']}), L-inf {s['eps_pixels']:g} of the pixel range, "
           f"{s['steps']} steps of {s['step_pixels']:g}, c = {s['c']:g}; quantized engine {s['quantized_engine']}")
