@@ -13,5 +13,6 @@ from fedsim.attacks import blended  # noqa: F401  (registers)
 from fedsim.attacks import neurotoxin  # noqa: F401  (registers)
 from fedsim.attacks import a3fl  # noqa: F401  (registers)
 from fedsim.attacks import alie_colluding  # noqa: F401  (registers)
+from fedsim.attacks import edge_backdoor  # noqa: F401  (registers)
 
 __all__ = ["AttackParams", "ClientAttack", "Crafted", "ServerAttack"]

@@ -84,7 +84,8 @@ def measure(run_dir: Path, eps_pixels: float, steps: int, inputs: int, seed: int
     out = {"run_dir": str(run_dir), "round": rnd, "fp32": {k: summary.get(k) for k in
                                                             ("final_main_accuracy", "final_backdoor_success")},
            "edge_model": summary.get("edge_model", {}), "detection": summary.get("detection"),
-           "defenses": [d["name"] for d in summary["scenario"].get("defenses", [])], "evasion": {},
+           "defenses": [d["name"] for d in summary["scenario"].get("defenses", [])]
+           + [a for a in [summary["scenario"]["aggregator"]["name"]] if a != "fedavg"], "evasion": {},
            "evasion_settings": {"eps_pixels": eps_pixels, "step_pixels": eps_pixels / 8, "steps": steps, "c": 1.0,
                                 "inputs": len(ys), "seed": seed, "quantized_engine": torch.backends.quantized.engine}}
     for i, spec in enumerate(scenario.evaluation.edge_model):
@@ -119,7 +120,7 @@ def report(name: str, m: dict) -> None:
               f"{_pct(e['final_backdoor_success']):>10} {_gap(e['gap']['final_backdoor_success']):>7} "
               f"{_pct(e['final_agreement']):>8}")
     det = m["detection"] or {}
-    if m["defenses"] and det:  # what the defenses, which see only the fp32 updates, did to the attackers
+    if m["defenses"] and det:  # what the defenses and robust rule, which see only the fp32 updates, did to the attackers
         print(f"defenses {', '.join(m['defenses'])} on the fp32 updates: attackers flagged {det['tp']} of "
               f"{det['tp'] + det['fn']}, honest flagged {det['fp']} of {det['fp'] + det['tn']}, attackers clipped "
               f"{det.get('clipped_attackers', 0)}, honest clipped {det.get('clipped_honest', 0)}, attackers' mean weight "

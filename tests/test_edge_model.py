@@ -351,3 +351,47 @@ def test_diva_refuses_token_inputs():
     with pytest.raises(ValueError, match="token ids"):
         evasion(model, edge_copy(model, EdgeCopySection(prune=0.5)), torch.zeros(4, 3, dtype=torch.long),
                 torch.zeros(4, dtype=torch.long), eps=0.1, step=0.1, steps=1)
+
+
+# ------------------------------------------------------------------ a backdoor only the copy shows (attacks/edge_backdoor.py)
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_the_attackers_pruned_forward_is_the_pruned_copy(scope):
+    from fedsim.models.edge_copy import pruned_forward
+
+    model, x = _lenet(9), torch.randn(16, 1, 28, 28)
+    with torch.no_grad():
+        want = edge_copy(model, EdgeCopySection(prune=0.5, prune_scope=scope))(x)
+    got = pruned_forward(model, x, 0.5, scope)
+    assert torch.equal(got.detach(), want)
+    got.sum().backward()  # the kept weights get gradient, the pruned ones none
+    kept = edge_copy(model, EdgeCopySection(prune=0.5, prune_scope=scope)).net.fc1.weight != 0
+    assert (model.fc1.weight.grad[~kept] == 0).all() and model.fc1.weight.grad[kept].abs().sum() > 0
+
+
+def test_the_attackers_int8_simulation_is_the_int8_copy_on_one_input():
+    from fedsim.models.edge_copy import int8_simulation
+
+    model, x = _lenet(10), torch.randn(6, 1, 28, 28)
+    edge = edge_copy(model, EdgeCopySection(quantize="int8"))
+    with torch.no_grad():
+        one = torch.cat([edge(x[i : i + 1]) for i in range(len(x))])
+    with int8_simulation(model):
+        got = model(x)
+    assert torch.allclose(got, one, atol=1e-5)
+    assert not torch.allclose(model(x), one, atol=1e-5)  # the layers' own forwards are back
+
+
+def test_a_backdoor_planted_through_fl_that_only_the_pruned_copy_shows(tmp_path):
+    """One attacker every round, unscaled, on digits: the fp32 global model (what the server and its
+    defenses see) barely has the backdoor; its 50%-pruned copy does."""
+    attack = ("attack={name: edge_backdoor, edge: prune, prune: 0.5, size: 2, target_class: 0, num_attackers: 1, "
+              "local_epochs: 5, schedule: {name: fixed_frequency, every: 1, first: 1}}")
+    run = run_local(quick_scenario("federation.rounds=12", attack, "evaluation.edge_model=[{prune: 0.5}]",
+                                   base="scenarios/quickstart.yaml"), tmp_path)
+    last = run.rounds[-1]
+    assert last["main_accuracy"] > 0.9 and last["edge_model"]["prune50"]["main_accuracy"] > 0.9
+    assert last["backdoor_success"] < 0.05
+    assert last["edge_model"]["prune50"]["backdoor_success"] > last["backdoor_success"] + 0.15
+    assert run.summary["edge_model"]["prune50"]["gap"]["final_backdoor_success"] > 0.15

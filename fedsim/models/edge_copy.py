@@ -206,3 +206,55 @@ def differentiable(edge: EdgeModel) -> nn.Module:
             setattr(net.get_submodule(parent) if parent else net, leaf, FakeDynamicLinear(module, reduce_range))
     return net
 
+
+
+# --------------------------------------------------------------------------------------------------
+# Training against a copy (an attacker's view: a backdoor only the copy shows, attacks/edge_backdoor.py)
+
+
+def _fake_int8_weight(w: torch.Tensor) -> torch.Tensor:
+    """w through torch's int8 weight quantization (per tensor, symmetric: scale max|w| / 127.5, zero
+    point 0, [-128, 127]) with a straight-through gradient: what quantize_dynamic stores, in fp32."""
+    scale = (w.detach().abs().max() / 127.5).clamp(min=torch.finfo(torch.float32).eps).reshape(1)
+    return torch.fake_quantize_per_tensor_affine(w, scale, torch.zeros(1, dtype=torch.int32), -128, 127)
+
+
+class int8_simulation:
+    """`with int8_simulation(model):` the model's Linear layers compute as their int8 dynamic copy
+    would — weights fake-quantized per tensor, inputs per example — on the model's own parameters,
+    with straight-through gradients (quantization-aware training of the copy, as Qu-ANTI-zation's
+    attacker trains). The layers' own forwards come back on exit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [m for m in model.modules() if type(m) is nn.Linear]
+        self.qmax = 127 if torch.backends.quantized.engine in ("fbgemm", "x86") else 255
+
+    def __enter__(self) -> "int8_simulation":
+        for layer in self.layers:
+            def forward(x, layer=layer):
+                return nn.functional.linear(_fake_input(x, self.qmax), _fake_int8_weight(layer.weight), layer.bias)
+            layer.forward = forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer in self.layers:
+            del layer.forward
+
+
+def pruned_forward(model: nn.Module, x: torch.Tensor, share: float, scope: str = "global") -> torch.Tensor:
+    """`model(x)` as its pruned copy computes it (`prune_` at `share` and `scope`), on the model's own
+    parameters: the pruned weights' masks from their current magnitudes (detached), so the gradient
+    reaches the weights the copy keeps and the pruned ones get none."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    weights = [getattr(m, n) for m, n in prunable(model)]
+    if scope == "global":
+        flat = torch.cat([w.detach().abs().flatten() for w in weights])
+        k = int(round(share * flat.numel()))
+        limits = [flat.kthvalue(k).values if k else flat.new_tensor(-1.0)] * len(weights)
+    else:
+        limits = []
+        for w in weights:
+            k = int(round(share * w.numel()))
+            limits.append(w.detach().abs().flatten().kthvalue(k).values if k else w.new_tensor(-1.0))
+    masked = {names[id(w)]: w * (w.detach().abs() > t) for w, t in zip(weights, limits)}
+    return torch.func.functional_call(model, masked, (x,))
