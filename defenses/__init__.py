@@ -7,5 +7,6 @@ from fedsim.defenses import freqfed, rlr  # noqa: F401  (registers)
 from fedsim.defenses import crfl  # noqa: F401  (registers)
 from fedsim.defenses import deepsight  # noqa: F401  (registers)
 from fedsim.defenses import dp_fedavg  # noqa: F401  (registers)
+from fedsim.defenses import alignins  # noqa: F401  (registers)
 
 __all__ = ["Defense", "RoundContext", "UpdateBatch"]
