@@ -11,8 +11,7 @@ quantizes it ("A Tale of Two Models", Hao et al., MLSys 2022), made with PyTorch
   point 0: `default_weight_observer`); activations quantized to uint8 at run time from the min/max of
   each input *tensor* — a batch: an int8 copy's prediction for an input depends on the batch it comes
   in. The central evaluation feeds it the same batches (`evaluation.batch_size`) every round.
-  Convolutions stay fp32: static quantization would need calibration data and a model rewritten
-  with quant stubs, which fedsim does not do. The int8 kernels are CPU only (fbgemm / x86 /
+  Convolutions stay fp32 (int8_static quantizes them). The int8 kernels are CPU only (fbgemm / x86 /
   qnnpack: `torch.backends.quantized.engine`, written beside the numbers): an int8 copy runs on the
   CPU whatever `evaluation.device` says.
 - quantize int8_static (then): torch.fx graph-mode static quantization (`prepare_fx` with torch's
@@ -23,14 +22,18 @@ quantizes it ("A Tale of Two Models", Hao et al., MLSys 2022), made with PyTorch
   are fused as the engine would run them. Models torch.fx cannot trace (the LSTMs: control flow on
   the input) are refused. CPU only, as int8.
 - quantize fp16 (then): `.half()` on parameters and buffers; float inputs are cast to fp16 and the
-  logits back to fp32. CPU half-precision kernels exist for every layer of fedsim's models in torch
-  ≥ 2.1 (checked by tests/test_edge_model.py), so fp16 runs as fp16, on CPU too.
+  logits back to fp32. torch (2.13) has CPU half-precision kernels for every layer of fedsim's
+  models (tests/test_edge_model.py runs LeNet, ResNet-20 and a low-rank LeNet), so fp16 runs as
+  fp16, on CPU too.
 
 PyTorch marks eager-mode quantization deprecated in favour of torchao; it is still what torch ships
 (2.13), and torchao is not a fedsim dependency.
 
-`differentiable(copy)` is the attacker's view of a copy for DIVA (fedsim/evasion/diva.py): the int8 copy's weights dequantized into an fp32 model whose quantized layers fake-quantize their
-inputs per example with a straight-through gradient.
+The attacker's views, differentiable: `differentiable(copy)` for DIVA (fedsim/evasion/diva.py) — the
+int8 copy's weights dequantized into an fp32 model whose quantized layers fake-quantize their inputs
+per example with a straight-through gradient; `int8_simulation(model)` and `pruned_forward(model,
+...)` for a backdoor only the copy shows (attacks/edge_backdoor.py) — the copy's computation on the
+model's own, trainable weights. Each equals the real copy (one input at a time for int8: tests).
 """
 
 from __future__ import annotations
