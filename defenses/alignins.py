@@ -89,17 +89,16 @@ def mz_scores(x: torch.Tensor) -> torch.Tensor:
 def alignment_scores(updates: torch.Tensor, global_weights: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(TDA [n], MPSA [n]) in float64: each row's cosine with the global weights, and the fraction of
     its ⌊ρ d⌋ (at least 1) largest-magnitude coordinates whose sign is the rows' majority sign."""
-    u = updates.to(torch.float64)
-    n, d = u.shape
+    n, d = updates.shape
     if n == 0 or d == 0:
-        empty = torch.zeros(n, dtype=torch.float64, device=u.device)
+        empty = torch.zeros(n, dtype=torch.float64, device=updates.device)
         return empty, empty.clone()
-    g = global_weights.to(u.device, torch.float64)
-    tda = torch.nn.functional.cosine_similarity(u, g[None, :], dim=1, eps=1e-6)
-    signs = torch.sign(u)
+    g = global_weights.to(updates.device, torch.float64)
+    tda = torch.nn.functional.cosine_similarity(updates.to(torch.float64), g[None, :], dim=1, eps=1e-6)
+    signs = torch.sign(updates)  # signs, their sums and the magnitude order are exact in the input's dtype
     principal = torch.sign(signs.sum(dim=0))
     k = max(1, int(d * sparsity))
-    top = torch.topk(u.abs(), k, dim=1).indices  # [n, k]
+    top = torch.topk(updates.abs(), k, dim=1).indices  # [n, k]
     mpsa = (signs.gather(1, top) == principal[top]).to(torch.float64).mean(dim=1)
     return tda, mpsa
 
