@@ -2,7 +2,7 @@
 against plain-loop references and properties.
 
 ByzFL is not installed here: tests/golden/make_byzfl.py ran it in a separate environment and
-stored each case's recipe and ByzFL's output in tests/golden/byzfl.json; these tests rebuild the
+stored each case's recipe and ByzFL's output in tests/golden/byzfl/outputs.json; these tests rebuild the
 same float32 inputs from the recipe (numpy's PCG64 stream) and compare. Tolerance: rtol 1e-5 and
 atol 1e-5 x the input's largest magnitude (fedsim returns float32 means of float32 rows, ByzFL
 float64 ones). Where the definitions differ (CAF's and SMEA's power step, CAF's max tau, CAF with f = 0,
@@ -37,7 +37,7 @@ GOLDEN_DIR = Path(__file__).parent / "golden"
 _spec = importlib.util.spec_from_file_location("make_byzfl", GOLDEN_DIR / "make_byzfl.py")
 make_byzfl = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_byzfl)
-GOLDEN = json.loads((GOLDEN_DIR / "byzfl.json").read_text())["cases"]
+GOLDEN = json.loads((GOLDEN_DIR / "byzfl" / "outputs.json").read_text())["cases"]
 
 
 def cases(rule: str, **where) -> list[dict]:

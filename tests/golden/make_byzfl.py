@@ -5,8 +5,8 @@ Meamed, CAF, SMEA and ARC. It brings its own torch and torchvision, so it is nev
 into fedsim's environment: make a separate one outside the repository and run this file with it,
 from the repository root:
 
-    python3 -m venv /tmp/byzfl-venv && /tmp/byzfl-venv/bin/pip install byzfl==0.0.11
-    /tmp/byzfl-venv/bin/python tests/golden/make_byzfl.py      # writes tests/golden/byzfl.json
+    venv=$(mktemp -d)/byzfl && python3 -m venv "$venv" && "$venv/bin/pip" install byzfl==0.0.11
+    "$venv/bin/python" tests/golden/make_byzfl.py      # writes tests/golden/byzfl/outputs.json
 
 Inputs are drawn with numpy's PCG64 (`np.random.default_rng(seed)`), whose stream is the same in
 every numpy version, as float32 (what fedsim's rules receive); the JSON keeps each case's recipe
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-OUT = Path(__file__).with_name("byzfl.json")
+OUT = Path(__file__).with_name("byzfl") / "outputs.json"
 SEEDS_PER_CASE = 8
 KINDS = ("random", "outliers", "integer", "duplicates")
 
