@@ -94,18 +94,7 @@ class CentralEvaluator:
             model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # the caller's model keeps its layout
         # a copy on the evaluation's device; certification below keeps the CPU model
         net = model if on_cpu else copy.deepcopy(model).to(self.device)
-        pred, logits = predict(net, self.x, self.batch_size, channels_last, self.device)
-        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(self.y)).item() if len(self.y) else float("nan")
-        out = {"main_accuracy": _share(pred == self.y), "main_loss": float(loss), "backdoor_success": None}
-        if self.backdoor is not None:
-            x_bd, targets = self.backdoor
-            hits = predict(net, x_bd, self.batch_size, channels_last, self.device)[0] == targets
-            out["backdoor_success"] = _share(hits)
-            if self.beyond_clean is not None:
-                out["backdoor_success_beyond_clean"] = _share(hits[self.beyond_clean])
-        if self.source is not None:
-            mask = self.y == self.source
-            out["source_class_accuracy"] = _share(pred[mask] == self.y[mask])
+        out, pred = self._metrics(net, channels_last, self.device)
         if self.edge_specs:
             out["edge_model"] = {spec.key(): self._edge(given, where, spec, pred) for where, spec in self.edge_specs}
         if rnd is not None and self.certifiers:
@@ -123,21 +112,26 @@ class CentralEvaluator:
         copy runs on the CPU (its kernels are CPU only), the others where the evaluation runs."""
         edge = self._copy(model, where, spec)
         device = torch.device("cpu") if edge.cpu_only else self.device
-        edge = edge.to(device)
-        pred, logits = predict(edge, self.x, self.batch_size, False, device)
+        out, pred = self._metrics(edge.to(device), False, device)
+        main = {k: out.pop(k) for k in ("main_accuracy", "main_loss")}
+        return {**main, "agreement": _share(pred == fp32_pred), **out}
+
+    def _metrics(self, net: torch.nn.Module, channels_last: bool, device: torch.device) -> tuple[dict, np.ndarray]:
+        """(main accuracy and loss, backdoor success and the source class's accuracy when measured;
+        the main predictions) of `net` on `device`."""
+        pred, logits = predict(net, self.x, self.batch_size, channels_last, device)
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(self.y)).item() if len(self.y) else float("nan")
-        out = {"main_accuracy": _share(pred == self.y), "main_loss": float(loss), "agreement": _share(pred == fp32_pred),
-               "backdoor_success": None}
+        out = {"main_accuracy": _share(pred == self.y), "main_loss": float(loss), "backdoor_success": None}
         if self.backdoor is not None:
             x_bd, targets = self.backdoor
-            hits = predict(edge, x_bd, self.batch_size, False, device)[0] == targets
+            hits = predict(net, x_bd, self.batch_size, channels_last, device)[0] == targets
             out["backdoor_success"] = _share(hits)
             if self.beyond_clean is not None:
                 out["backdoor_success_beyond_clean"] = _share(hits[self.beyond_clean])
         if self.source is not None:
             mask = self.y == self.source
             out["source_class_accuracy"] = _share(pred[mask] == self.y[mask])
-        return out
+        return out, pred
 
 
 def held_out_test(runtime) -> np.ndarray | None:
