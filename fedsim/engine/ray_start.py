@@ -130,13 +130,13 @@ def actor_lost(actor, client_resources: dict, pool_actors: int) -> bool:
     message handed to the actor waits with it: Flower's pool is sized to fill the cluster, so the
     actors of a lost node have nowhere to go. An actor restarting where the cluster still has room
     for it (its process was killed on a node that remains) is not lost. Reads Ray's actor table
-    from its GCS (`ray._private.state`: ~1 ms, no dashboard needed)."""
-    from ray._private import state
+    from its GCS (fedsim/flower/compat.py `ray_actor_state`: ~1 ms, no dashboard needed)."""
+    from fedsim.flower.compat import ray_actor_state
 
-    info = state.actors(actor_id=actor._actor_id.hex())
-    if not info or info.get("State") == "ALIVE":
+    state = ray_actor_state(actor)
+    if state in (None, "ALIVE"):
         return False
-    if info.get("State") == "DEAD":
+    if state == "DEAD":
         return True
     try:
         room = actor_pool_size(client_resources)

@@ -291,6 +291,16 @@ def error_code(ex: BaseException) -> int:
     return codes.UNKNOWN
 
 
+def ray_actor_state(actor) -> str | None:
+    """The state Ray's actor table (its GCS) holds for `actor` ("ALIVE", "RESTARTING", "DEAD", ...),
+    or None when the table has no entry. Ray has no public call for one actor's state short of its
+    state API, which needs the dashboard: `ray._private.state` and the handle's `_actor_id` (Ray 2.x)."""
+    from ray._private import state
+
+    info = state.actors(actor_id=actor._actor_id.hex())
+    return info.get("State") if info else None
+
+
 def actor_exceptions() -> tuple[type[Exception], type[Exception]]:
     """(ClientAppException, LoadClientAppError) as Flower's engine expects them from an actor."""
     require("actor-contract")
