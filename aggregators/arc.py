@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from fedsim.aggregators.base import AggregationError, call_rule, check_inputs
-from fedsim.aggregators.mixing import DEFAULT_INNER, InnerRule, inner_field, inner_problem, parse_inner_rule, wrapper_info
+from fedsim.aggregators.base import check_inputs
+from fedsim.aggregators.mixing import DEFAULT_INNER, call_inner, InnerRule, inner_field, inner_problem, parse_inner_rule, wrapper_info
 from fedsim.aggregators.subsets import check_majority, majority_problem
 from fedsim.registry import AGGREGATORS, Params
 from fedsim.updates import RoundContext
@@ -95,10 +95,7 @@ def arc_with_info(
     spec = parse_inner_rule(inner)
     clipped, was_clipped, threshold = arc_clip(updates, num_malicious)
     n = updates.shape[0]
-    try:
-        out, inner_info = call_rule(spec, clipped, weights, ctx)
-    except AggregationError as err:
-        raise AggregationError(f"arc: inner rule {spec.name} failed on {n} clipped updates: {err}") from err
+    out, inner_info = call_inner("arc", spec, clipped, weights, ctx, "clipped updates")
     info = wrapper_info(spec, inner_info, [[i] for i in range(n)], n)
     info["clipped"] = torch.nonzero(was_clipped).flatten().tolist()
     info["clip_threshold"] = threshold

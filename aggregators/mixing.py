@@ -78,6 +78,15 @@ def parse_inner_rule(value: Any) -> BaseModel:
     return parse_nested_rule(value, DEFAULT_INNER, inner_rule_names(), why_not)
 
 
+def call_inner(wrapper: str, spec: BaseModel, rows: torch.Tensor, weights: torch.Tensor, ctx: RoundContext | None,
+               made: str) -> tuple[torch.Tensor, dict | None]:
+    """The inner rule on the rows a wrapper made (`made` says what they are, for the error)."""
+    try:
+        return call_rule(spec, rows, weights, ctx)
+    except AggregationError as err:
+        raise AggregationError(f"{wrapper}: inner rule {spec.name} failed on {rows.shape[0]} {made}: {err}") from err
+
+
 def wrapper_info(spec: BaseModel, inner_info: dict | None, members: list[list[int]], inputs: int) -> dict[str, Any]:
     """The wrapper's report: the inner rule and, if it chose inputs, the rows behind them."""
     info: dict[str, Any] = {"inner": spec.name, "inner_inputs": inputs}
@@ -155,10 +164,7 @@ def bucketing_with_info(
     generator = ctx.generator if ctx is not None else torch.Generator().manual_seed(FALLBACK_SEED)
     bucket = bucket_of_rows(n, s, generator)
     means, totals = bucket_means(updates, weights, bucket, count)
-    try:
-        out, inner_info = call_rule(spec, means, totals, ctx)
-    except AggregationError as err:
-        raise AggregationError(f"bucketing: inner rule {spec.name} failed on {count} bucket means of s={s}: {err}") from err
+    out, inner_info = call_inner("bucketing", spec, means, totals, ctx, f"bucket means of s={s}")
     members = [[] for _ in range(count)]
     for row, b in enumerate(bucket.tolist()):
         members[b].append(row)
@@ -221,10 +227,7 @@ def nnm_with_info(
     spec = parse_inner_rule(inner)
     mixed, neighbours = nnm_mix(updates, num_malicious)
     n = updates.shape[0]
-    try:
-        out, inner_info = call_rule(spec, mixed, weights, ctx)
-    except AggregationError as err:
-        raise AggregationError(f"nnm: inner rule {spec.name} failed on {n} mixed updates: {err}") from err
+    out, inner_info = call_inner("nnm", spec, mixed, weights, ctx, "mixed updates")
     return out, wrapper_info(spec, inner_info, neighbours.tolist(), n)
 
 
