@@ -27,6 +27,20 @@ def data_dir() -> Path | None:
 
 
 @pytest.fixture
+def one_torch_thread():
+    """One torch intra-op thread for a test, as a simulated client runs (client_cpus 1): small ops on
+    a busy 2-core machine run several times slower on two threads fighting over the cores, LAPACK's
+    threaded SVD crawls (VGG-9's 512x4608 layers: ~20 s vs ~0.4 s), and bit-identity checks need it.
+    A module uses it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def real_data_dir() -> Path:
     path = data_dir()
     if path is None:

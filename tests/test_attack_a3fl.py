@@ -35,17 +35,9 @@ from fedsim.seeding import derive_seed
 from fedsim.server.app import run_server
 from fedsim.training import TrainConfig, evaluate, predict, train
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py: why
+
 PID = 1  # the attacker's partition in the unit tests
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread, as in a client (client_cpus = 1): tiny models on a busy 2-core machine run
-    many times slower with two threads fighting over the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def scenario(attack: dict, seed: int = 0, **federation):

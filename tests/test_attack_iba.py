@@ -19,13 +19,7 @@ from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError
 from fedsim.training import TrainConfig, train
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread, as a simulated client runs (client_cpus 1): tiny convolutions on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py: why
 
 
 SMALL = {"generator_width": 4, "generator_epochs": 1, "generator_lr": 0.01}

@@ -22,7 +22,8 @@ from fedsim.server.evaluation import CentralEvaluator
 from fedsim.server.record import without_times
 
 # torch 2.13 warns on every quantized tensor and observer it creates (fedsim/models/edge_copy.py filters them in runs)
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning"),
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning"),
               pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max:UserWarning")]
 
 
@@ -277,15 +278,6 @@ def test_a_run_with_edge_copies(tmp_path):
 
 
 # ------------------------------------------------------------------ DIVA vs PGD (fedsim/evasion/diva.py)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: torch's thread pool only costs time on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=1)

@@ -32,15 +32,7 @@ from fedsim.lowrank.layers import (
 )
 from fedsim.models.nets import LeNetParams, MlpParams, Vgg9Params, lenet, mlp, vgg9
 
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """LAPACK's threaded SVD crawls on an oversubscribed CPU (VGG-9's 512×4608 layers: ~20 s vs ~0.4 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py: why
 
 
 def _lenet() -> nn.Module:

@@ -25,6 +25,8 @@ from fedsim.models.layout import ModelLayout
 from fedsim.registry import MODELS
 from fedsim.training import TrainConfig, train
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py: why
+
 MNIST = (1, 28, 28)
 CIFAR = (3, 32, 32)
 TIGHT = 1e-5  # relative to the update's scale: fp32 rounding (measured <= 1.2e-6)
@@ -85,16 +87,6 @@ def check_against_sequential(model, data, cfg, seeds=SEEDS, kinks: int = 0) -> t
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
     assert [m.training for m in model.modules()] == was_training
     return rows, stats
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the bit-identity checks need it, and small ops on a busy 2-core machine
-    run several times slower on two threads than on one (measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- the zoo models it accepts
