@@ -8,5 +8,8 @@ from fedsim.defenses import crfl  # noqa: F401  (registers)
 from fedsim.defenses import deepsight  # noqa: F401  (registers)
 from fedsim.defenses import dp_fedavg  # noqa: F401  (registers)
 from fedsim.defenses import alignins  # noqa: F401  (registers)
+from fedsim.defenses import fedgame  # noqa: F401  (registers)
+from fedsim.defenses import backdoor_indicator  # noqa: F401  (registers)
+from fedsim.defenses import crowdguard  # noqa: F401  (registers)
 
 __all__ = ["Defense", "RoundContext", "UpdateBatch"]
