@@ -689,6 +689,10 @@ def cmd_report(args) -> int:
     runs = find_runs(args.dirs)
     print(markdown_table(runs, run_labels(runs, args.dirs)))
     console.print(f"report: {path}")
+    if args.html:
+        from fedsim.runs.report_html import write_html
+
+        console.print(f"page: {write_html(args.dirs, path.parent)}")
     return 0
 
 
@@ -770,6 +774,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", type=Path, default=None,
                      help="where report.md and the PNGs go (default: report/ inside the folder reported on, "
                           "or inside the folders' common parent)")
+    rep.add_argument("--html", action="store_true",
+                     help="also write report.html: one self-contained page with the sortable tables, the curves per "
+                          "defense, each defense's worst case over attacks, its detection audit and cost")
     rep.set_defaults(func=cmd_report)
 
     lst = sub.add_parser("list", help="list registered components and their parameters")
