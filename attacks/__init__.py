@@ -14,5 +14,8 @@ from fedsim.attacks import neurotoxin  # noqa: F401  (registers)
 from fedsim.attacks import a3fl  # noqa: F401  (registers)
 from fedsim.attacks import alie_colluding  # noqa: F401  (registers)
 from fedsim.attacks import edge_backdoor  # noqa: F401  (registers)
+from fedsim.attacks import threedfed  # noqa: F401  (registers)
+from fedsim.attacks import f3ba  # noqa: F401  (registers)
+from fedsim.attacks import darkfed  # noqa: F401  (registers)
 
 __all__ = ["AttackParams", "ClientAttack", "Crafted", "ServerAttack"]
