@@ -164,5 +164,15 @@ def test_without_a_seed_axis_there_is_no_seed_table_and_lifecycle_columns_follow
     assert "lifespan" not in markdown_table(find_runs([root]))
     lc = {"rounds_to_implant": 2, "lifespan": None, "half_life": None, "auc_after_attack": 0.75, "rounds_after": 15}
     run = seeded_run(tmp_path / "bd", 1, "pgd", 0.9, lc)
-    row = markdown_table([run]).splitlines()[-1]
+    header, _, row = markdown_table([run]).splitlines()
     assert row.endswith("| 2 | ≥ 15 | - | 75.0 |")
+    assert header.endswith("| s | rounds to implant | lifespan | half-life | backdoor AUC after attack % |")
+
+
+def test_a_table_renders_as_markdown_with_its_pipes_escaped_and_numbers_right_aligned():
+    """report.md and report.html share one Table of cell texts; this is its markdown."""
+    from fedsim.runs.report import Table, markdown
+
+    table = Table(["run", "final acc %", "lifespan"], [False, True, True], [["a|b", "93.1", "≥ 4"], ["c", "-", "2"]])
+    assert markdown(table) == "| run | final acc % | lifespan |\n|---|---:|---:|\n| a\\|b | 93.1 | ≥ 4 |\n| c | - | 2 |\n"
+    assert markdown(table, trailing_space=True).splitlines()[2] == "| a\\|b | 93.1 | ≥ 4 | "

@@ -7,15 +7,17 @@ The browser test skips when Chromium, its driver or selenium is missing."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from fedsim.runs.report import find_runs, run_labels
-from fedsim.runs.report_html import classify, defense_rows, defense_table, parse_markdown, sort_value
+from fedsim.runs.report import Table, find_runs, run_labels, runs_table, seeds_table_cells
+from fedsim.runs.report_html import classify, defense_rows, defense_table, sort_value
 
 
 def det(tp: int, fp: int, fn: int, tn: int) -> dict:
@@ -75,10 +77,71 @@ def test_worst_case_over_attacks_and_the_pooled_audit_by_hand(tmp_path):
     assert table.rows[1][table.headers.index("TPR %")] == "-"
 
 
-def test_markdown_cells_and_sort_values():
-    table = parse_markdown("| run | final acc % | lifespan |\n|---|---:|---:|\n| a|b | 93.1 | ≥ 4 |\n| c | - | 2 |\n")
-    assert table.headers == ["run", "final acc %", "lifespan"] and table.numeric == [False, True, True]
-    assert table.rows == [["a | b", "93.1", "≥ 4"], ["c", "-", "2"]]  # a '|' in a label stays in the label
+def md_cells(line: str) -> list[str]:
+    """A pipe-table line's cells as GitHub reads them: split at each '|' no backslash escapes, and
+    '\\|' is a '|' inside a cell."""
+    inner = line.strip().removeprefix("|").removesuffix("|")
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", inner)]
+
+
+def md_table(text: str, first_header: str) -> Table:
+    """The cells of report.md's table whose first header is `first_header`, read from the markdown."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    table = [md_cells(line) for line in lines[start:end]]
+    assert len({len(cells) for cells in table}) == 1, "a row with more or fewer cells than the header"
+    return Table(table[0], [a.endswith(":") for a in table[1]], table[2:])
+
+
+def html_table(page: str, table_id: str) -> tuple[list[str], list[list[str]]]:
+    """A table's header texts and cell texts as the page's HTML holds them."""
+    body = re.search(rf'<table class="sortable" id="{table_id}">(.*?)</table>', page, re.S).group(1)
+    rows = [[html.unescape(c) for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", tr, re.S)]
+            for tr in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
+    return rows[0], rows[1:]
+
+
+def test_report_md_and_the_page_show_the_same_table_cells(tmp_path):
+    """report.md and report.html draw the runs and seeds tables from one Table: a '|' in a run label
+    and in a swept value stays in its cell in both, the lifecycle's and the clock's headers are
+    cells of their own, and the page shows report.md's cells."""
+    from fedsim.cli import main
+
+    root = tmp_path / "sweep"
+    fake_run(root / "a|b_x_1", "A|B", "x", 1, [0.7, 0.8], [0.5, 0.2])
+    fake_run(root / "a|b_x_2", "A|B", "x", 2, [0.65, 0.6], [0.7, 0.3])
+    fake_run(root / "c_y_1", "C", "y", 1, [0.5, 0.55], [0.1, 0.2])
+    clocked = root / "c_y_1"  # on the federation clock, and a backdoor lifecycle in its summary
+    rounds = [{**json.loads(line), "sim_time": 1.5 * (i + 1), "stragglers": [i]}
+              for i, line in enumerate((clocked / "rounds.jsonl").read_text().splitlines())]
+    (clocked / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    lifecycle = {"rounds_to_implant": 1, "lifespan": None, "half_life": None, "auc_after_attack": 0.15, "rounds_after": 1}
+    (clocked / "summary.json").write_text(json.dumps({"name": "c_y_1", "backdoor_lifecycle": lifecycle}))
+    assert main(["report", str(root), "--out", str(tmp_path / "report"), "--html"]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    page = (tmp_path / "report" / "report.html").read_text()
+
+    runs = find_runs([root])
+    table = runs_table(runs, run_labels(runs, [root]))
+    assert md_table(md, "run") == table  # report.md's cells, read back as GitHub would, are the Table's
+    assert [row[0] for row in table.rows] == ["a|b_x_1", "a|b_x_2", "c_y_1"]
+    assert table.rows[0][table.headers.index("defense")] == "A|B"
+    row = dict(zip(table.headers, table.rows[2]))
+    assert [row[h] for h in ("rounds to implant", "lifespan", "simulated s", "stragglers")] == ["1", "≥ 1", "3", "2"]
+    assert "\n| a\\|b_x_1 | A\\|B | 1 | x | 2 |" in md  # the '|' escaped, so GitHub keeps it in its cell
+    header = next(line for line in md.splitlines() if line.startswith("| run |"))
+    assert "| s | rounds to implant | lifespan | half-life | backdoor AUC after attack % | simulated s | stragglers |" in header
+    assert html_table(page, "runs-table") == (table.headers, table.rows)  # the page's cells are report.md's
+
+    seeds = seeds_table_cells(runs)
+    assert md_table(md, "defense") == seeds
+    assert seeds.headers[:3] == ["defense", "threat", "seeds"] and [r[:3] for r in seeds.rows] == [
+        ["A|B", "x", "2"], ["C", "y", "1"]]
+    assert html_table(page, "seeds-table") == (seeds.headers, seeds.rows)
+
+
+def test_sort_values():
     assert [sort_value(t) for t in ("93.1", "≥ 4", "93.1 ± 0.4 [92.2, 94.0]", "-", "x", "1e-3")] == [
         93.1, 4.0, 93.1, None, None, 0.001]
 
@@ -139,14 +202,6 @@ def chromium_driver():
     return webdriver.Chrome(options=options, service=Service(driver))
 
 
-def md_table(text: str, first_header: str):
-    """The cells of report.md's table whose first header is `first_header`."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
-    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    return parse_markdown("\n".join(lines[start:end]))
-
-
 def shown(driver, table_id: str) -> tuple[list[str], list[list[str]]]:
     """A table's header texts and cell texts as the browser shows them, rows in their current order."""
     return driver.execute_script(
@@ -170,8 +225,8 @@ def test_leaderboard_page_in_headless_chromium(tmp_path, one_torch_thread):
 
         folder = tiny_sweep(tmp_path)
         # and a run of its own beside the sweep, as results folders hold them: 12 rounds, 5% final
-        # accuracy (a string sort would put "12" before "3" and "5.0" after "93.8")
-        old = tmp_path / "results" / "quickstart-20261124-101010"
+        # accuracy (a string sort would put "12" before "3" and "5.0" after "93.8"), a '|' in its name
+        old = tmp_path / "results" / "quick|start-20261124-101010"
         old.mkdir()
         lines = [{"round": r, "main_accuracy": 0.05 if r == 12 else 0.6, "bytes_up": 1000, "wall_seconds": 0.1}
                  for r in range(1, 13)]
@@ -192,6 +247,7 @@ def test_leaderboard_page_in_headless_chromium(tmp_path, one_torch_thread):
         md = md_table((out / "report.md").read_text(), "run")
         headers, rows = shown(driver, "runs-table")
         assert headers == md.headers and rows == md.rows and len(rows) == 5
+        assert rows[0][0] == "quick|start-20261124-101010"  # one cell in both, its '|' escaped in report.md
 
         # each defense's worst final accuracy is its attacked run's final accuracy from summary.json
         dheaders, defenses = shown(driver, "defenses-table")

@@ -4,6 +4,7 @@ so any report can be redrawn later: a markdown table and matplotlib plots."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedsim.runs.results import read_rounds
@@ -130,34 +131,28 @@ def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.1f}"
 
 
-def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> str:
-    """One row per run; runs of a sweep get a column per swept key."""
-    labels = labels or {}
-    keys = sorted({k for run in runs for k in swept_values(run)})
-    rows = {run: run_row(run, labels.get(run)) for run in runs}
-    lifecycle = any(r["lifecycle"] for r in rows.values())  # backdoor runs: the lifecycle columns too
-    clocked = any(r["sim_time"] is not None for r in rows.values())  # runs on the federation clock: its columns too
-    lines = [
-        "| run | " + "".join(f"{k} | " for k in keys)
-        + "rounds | final acc % | best acc % | final backdoor % | peak backdoor % | mean backdoor % "
-        "| final backdoor beyond clean % | final source-class acc % "
-        "| TPR % | FPR % | F1 % | false alarms, no attacker % | defenses + rule ms/round | MB up | s |"
-        + ("rounds to implant | lifespan | half-life | backdoor AUC after attack % |" if lifecycle else "")
-        + ("simulated s | stragglers |" if clocked else ""),
-        "|---|" + "---|" * len(keys) + "---:|" * (15 + 4 * lifecycle + 2 * clocked),
-    ]
-    for run in runs:
-        r, swept = rows[run], swept_values(run)
-        lines.append(
-            f"| {r['run']} | " + "".join(f"{_short(swept.get(k, '-'))} | " for k in keys)
-            + f"{r['rounds']} | {_pct(r['final_acc'])} | {_pct(r['best_acc'])} | {_pct(r['final_backdoor'])} "
-            f"| {_pct(r['peak_backdoor'])} | {_pct(r['mean_backdoor'])} | {_pct(r['final_beyond_clean'])} "
-            f"| {_pct(r['final_source_acc'])} | {_pct(r['tpr'])} | {_pct(r['fpr'])} "
-            f"| {_pct(r['f1'])} | {_pct(r['false_alarms'])} | {_ms(r['pipeline_ms'])} | {r['mb_up']:.1f} | {r['seconds']:.0f} |"
-            + (f" {_rounds(r['rounds_to_implant'])} | {_survived(r)} | {_rounds(r['half_life'])} "
-               f"| {_pct(r['auc_after_attack'])} |" if lifecycle else "")
-            + (f" {_sim(r['sim_time'])} | {r['stragglers']} |" if clocked else "")
-        )
+@dataclass(frozen=True)
+class Table:
+    """A report table as cell texts: what report.md renders as a pipe table (`markdown`) and
+    report.html as a sortable one (fedsim/runs/report_html.py), so the two show the same cells.
+    `numeric`: a number column (right-aligned in markdown; sorted by number on the page)."""
+
+    headers: list[str]
+    numeric: list[bool]
+    rows: list[list[str]]
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a '|' in a run label or a swept value stays in its cell
+
+
+def markdown(table: Table, trailing_space: bool = False) -> str:
+    """The table as a pipe table: `| a | b |` lines, number columns right-aligned, '|' in a cell
+    escaped. `trailing_space`: end each line with '| ' (the seeds table always has)."""
+    end = " | " if trailing_space else " |"
+    lines = ["| " + " | ".join(map(_md_cell, table.headers)) + end,
+             "|" + "".join("---:|" if num else "---|" for num in table.numeric)]
+    lines += ["| " + " | ".join(map(_md_cell, row)) + end for row in table.rows]
     return "\n".join(lines) + "\n"
 
 
@@ -177,12 +172,65 @@ def _survived(row: dict) -> str:
     return f"≥ {row['rounds_after']}" if implanted_to_the_end else "-"
 
 
+def _pct_of(key: str):
+    return lambda row: _pct(row[key])
+
+
+RUN_COLUMNS = (  # (header, its cell's text from run_row), after the run and its swept values
+    ("rounds", lambda r: str(r["rounds"])),
+    ("final acc %", _pct_of("final_acc")),
+    ("best acc %", _pct_of("best_acc")),
+    ("final backdoor %", _pct_of("final_backdoor")),
+    ("peak backdoor %", _pct_of("peak_backdoor")),
+    ("mean backdoor %", _pct_of("mean_backdoor")),
+    ("final backdoor beyond clean %", _pct_of("final_beyond_clean")),
+    ("final source-class acc %", _pct_of("final_source_acc")),
+    ("TPR %", _pct_of("tpr")),
+    ("FPR %", _pct_of("fpr")),
+    ("F1 %", _pct_of("f1")),
+    ("false alarms, no attacker %", _pct_of("false_alarms")),
+    ("defenses + rule ms/round", lambda r: _ms(r["pipeline_ms"])),
+    ("MB up", lambda r: f"{r['mb_up']:.1f}"),
+    ("s", lambda r: f"{r['seconds']:.0f}"),
+)
+LIFECYCLE_COLUMNS = (  # when a run has a backdoor lifecycle (fedsim/runs/lifecycle.py)
+    ("rounds to implant", lambda r: _rounds(r["rounds_to_implant"])),
+    ("lifespan", _survived),
+    ("half-life", lambda r: _rounds(r["half_life"])),
+    ("backdoor AUC after attack %", _pct_of("auc_after_attack")),
+)
+CLOCK_COLUMNS = (  # when a run ran on the federation clock
+    ("simulated s", lambda r: _sim(r["sim_time"])),
+    ("stragglers", lambda r: str(r["stragglers"])),
+)
+
+
+def runs_table(runs: list[Path], labels: dict[Path, str] | None = None) -> Table:
+    """One row per run; runs of a sweep get a column per swept key; the backdoor lifecycle's
+    columns when a run has one, the federation clock's when a run ran on it."""
+    labels = labels or {}
+    keys = sorted({k for run in runs for k in swept_values(run)})
+    rows = {run: run_row(run, labels.get(run)) for run in runs}
+    columns = (RUN_COLUMNS + (LIFECYCLE_COLUMNS if any(r["lifecycle"] for r in rows.values()) else ())
+               + (CLOCK_COLUMNS if any(r["sim_time"] is not None for r in rows.values()) else ()))
+    cells = []
+    for run in runs:
+        r, swept = rows[run], swept_values(run)
+        cells.append([r["run"], *(_short(swept.get(k, "-")) for k in keys), *(cell(r) for _, cell in columns)])
+    return Table(["run", *keys, *(h for h, _ in columns)], [False] * (1 + len(keys)) + [True] * len(columns), cells)
+
+
+def markdown_table(runs: list[Path], labels: dict[Path, str] | None = None) -> str:
+    """`runs_table` as report.md shows it."""
+    return markdown(runs_table(runs, labels))
+
+
 SEED_METRICS = (("final_acc", "final acc %"), ("best_acc", "best acc %"), ("final_backdoor", "final backdoor %"),
                 ("peak_backdoor", "peak backdoor %"), ("mean_backdoor", "mean backdoor %"),
                 ("auc_after_attack", "backdoor AUC after attack %"))
 
 
-def seeds_table(runs: list[Path]) -> str | None:
+def seeds_table_cells(runs: list[Path]) -> Table | None:
     """One row per cell of a sweep with `seed: [...]`: each metric as mean ± std over its seeds, and
     its 95% interval from three seeds on (None when no seed was swept)."""
     swept = {run: swept_values(run) for run in runs}
@@ -192,14 +240,19 @@ def seeds_table(runs: list[Path]) -> str | None:
     keys = sorted({k for run in runs for k in without_seed(swept[run])})
     rows = {run: run_row(run) for run in runs}
     metrics = [(m, title) for m, title in SEED_METRICS if any(rows[r][m] is not None for r in runs)]
-    lines = ["| " + "".join(f"{k} | " for k in keys) + "seeds | " + "".join(f"{t} | " for _, t in metrics),
-             "|" + "---|" * len(keys) + "---:|" * (1 + len(metrics))]
+    cells = []
     for members in groups.values():
         first = without_seed(swept[members[0]])
-        cells = [Spread.of([rows[r][m] for r in members if rows[r][m] is not None]) for m, _ in metrics]
-        lines.append("| " + "".join(f"{_short(first.get(k, '-'))} | " for k in keys) + f"{len(members)} | "
-                     + "".join(f"{c.percent() if c else '-'} | " for c in cells))
-    return "\n".join(lines) + "\n"
+        spreads = [Spread.of([rows[r][m] for r in members if rows[r][m] is not None]) for m, _ in metrics]
+        cells.append([*(_short(first.get(k, "-")) for k in keys), str(len(members)),
+                      *(s.percent() if s else "-" for s in spreads)])
+    return Table([*keys, "seeds", *(t for _, t in metrics)], [False] * len(keys) + [True] * (1 + len(metrics)), cells)
+
+
+def seeds_table(runs: list[Path]) -> str | None:
+    """`seeds_table_cells` as report.md shows it (None when no seed was swept)."""
+    table = seeds_table_cells(runs)
+    return None if table is None else markdown(table, trailing_space=True)
 
 
 def plot_heatmap(runs: list[Path], out: Path, metric: str = "peak_backdoor") -> Path | None:

@@ -10,9 +10,10 @@ The page holds, drawn from the run folders on disk like report.md (fedsim/runs/r
 - **Curves**: main accuracy and backdoor success per round, one figure per attack, one line per
   defense (the mean over the runs of that cell, e.g. its seeds).
 - the heatmap of report.md when the sweep has two swept keys;
-- **Runs** (and **Over seeds** when a seed was swept): report.md's own tables. They are not rebuilt
-  here: the page parses the markdown that `markdown_table` / `seeds_table` return, so every cell
-  shows the very text report.md shows and the two can never disagree.
+- **Runs** (and **Over seeds** when a seed was swept): report.md's own tables. Both documents draw
+  them from one `Table` of cell texts (`runs_table` / `seeds_table_cells` in fedsim/runs/report.py),
+  which report.md renders as markdown and this page as HTML, so every cell shows the very text
+  report.md shows and the two can never disagree.
 
 Every table sorts by a click on its header (again: the other way); a column whose cells are all
 numbers (or '-') sorts numerically, '-' last either way. The page makes no request: CSS and
@@ -37,8 +38,8 @@ from pathlib import Path
 
 from fedsim.runs.detection import run_detection
 from fedsim.runs.report import (
-    _mean_ms, _pct, _short, default_out, find_runs, heatmap_figure, legend_below, markdown_table, run_labels, run_row,
-    run_style, seeds_table, swept_values,
+    Table, _mean_ms, _pct, _short, default_out, find_runs, heatmap_figure, legend_below, run_labels, run_row, run_style,
+    runs_table, seeds_table_cells, swept_values,
 )
 from fedsim.runs.results import read_rounds
 from fedsim.runs.seeds import SEED_KEY
@@ -47,37 +48,7 @@ ATTACK_KEYS = ("attack", "attacks", "threat")
 NO_ATTACK = "none"
 
 
-# --- report.md's tables, as cells ------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Table:
-    """A table as the page shows it: header texts, whether each column is right-aligned (a number
-    column in report.md), and the rows' cell texts."""
-
-    headers: list[str]
-    numeric: list[bool]
-    rows: list[list[str]]
-
-
-def _cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().removeprefix("|").removesuffix("|").split("|")]
-
-
-def parse_markdown(text: str) -> Table:
-    """The cells of a pipe table as report.py writes it (a header line, an alignment line, rows).
-    Only a free-text cell (a run label, a swept value) could hold a '|': a row with more cells
-    than the header gives its extra cells back to the first one."""
-    lines = [line for line in text.splitlines() if line.strip().startswith("|")]
-    headers, aligns = _cells(lines[0]), _cells(lines[1])
-    rows = []
-    for line in lines[2:]:
-        cells = _cells(line)
-        extra = len(cells) - len(headers)
-        if extra > 0:
-            cells = [" | ".join(cells[: extra + 1])] + cells[extra + 1:]
-        rows.append(cells + [""] * (len(headers) - len(cells)))
-    return Table(headers, [a.endswith(":") for a in aligns], rows)
-
+# --- sorting a table's cells -------------------------------------------------------------------
 
 _NUMBER = re.compile(r"^(?:≥\s*)?(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)")
 
@@ -400,12 +371,12 @@ def page(paths: list[Path]) -> str:
     if heat is not None:
         figures.append(figure_html("peak backdoor success over the first two swept keys", png_data(heat), "heatmap"))
     section("curves", "Curves per round", "".join(figures))
-    seeds = seeds_table(runs)
+    seeds = seeds_table_cells(runs)
     if seeds is not None:
         section("seeds", "Over seeds", '<p class="note">report.md\'s table: mean ± std [95% interval].</p>'
-                + table_html(parse_markdown(seeds), "seeds-table"))
+                + table_html(seeds, "seeds-table"))
     section("runs", "Runs", '<p class="note">report.md\'s table, one row per run; click a header to sort.</p>'
-            + table_html(parse_markdown(markdown_table(runs, labels)), "runs-table"))
+            + table_html(runs_table(runs, labels), "runs-table"))
     where = ", ".join(str(p) for p in paths)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
