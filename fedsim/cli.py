@@ -422,6 +422,8 @@ def cmd_sweep(args) -> int:
     from fedsim.runs.sweep import Grid, is_done, sweep_dir
 
     grid = Grid.read(args.file, args.set)
+    if args.only:
+        grid = grid.only(args.only)
     # Ray starts while the runs are validated, and the first run's client actors warm up
     # while this process imports the server and checks the files (fedsim/engine/shared.py)
     engine = begin_engine(args, grid.base)
@@ -462,6 +464,7 @@ def cmd_sweep(args) -> int:
             code = err.exit_code if isinstance(err, RunInterrupted) else 130 if isinstance(err, RunStopped) else 1
             done = sum(finished(folder / r.name) for r in runs)
             again = ["fedsim", "sweep", str(args.file), *sum((["--set", s] for s in args.set), []),
+                     *sum((["--only", s] for s in args.only), []),
                      *(["--output", str(args.output)] if args.output is not None else []),
                      *(["--jobs", str(args.jobs)] if args.jobs != 2 else [])]
             why = (f"error: cannot write {os.fsdecode(err.filename)}: {err.strerror or err}; the sweep stopped"
@@ -716,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
     swp = sub.add_parser("sweep", help="run every combination of a scenario's `sweep:` grid, skipping finished runs")
     swp.add_argument("file", type=Path)
     swp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    swp.add_argument("--only", action="append", default=[], metavar="AXIS=LABEL[,LABEL...]",
+                     help="run a slice of the grid: only these values of a swept key (case labels, or values as run "
+                          "names write them); the runs keep the full grid's folders, so the whole grid skips them later")
     swp.add_argument("--output", type=Path, default=None, help="parent folder (default: output.dir)")
     swp.add_argument("--jobs", type=int, default=2,
                      help="runs in flight at once, sharing the sweep's one Ray engine and its client actors (default 2)")

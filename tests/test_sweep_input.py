@@ -75,3 +75,25 @@ def test_a_case_axis_needs_mappings(tmp_path, capsys):
     (tmp_path / "s.yaml").write_text(f"base: {quickstart}\nsweep:\n  defense: [fedavg, krum]\n")
     assert main(["validate", str(tmp_path / "s.yaml")]) != 0
     assert "each of its values must be a mapping of scenario keys" in capsys.readouterr().err
+
+
+def test_only_runs_a_slice_of_the_grid_in_the_full_grids_folders(tmp_path, capsys):
+    quickstart = Path(__file__).resolve().parents[1] / "scenarios" / "quickstart.yaml"
+    (tmp_path / "s.yaml").write_text(
+        f"base: {quickstart}\nname: cases\nfederation: {{rounds: 2}}\nsweep:\n"
+        "  defense:\n"
+        "    - {label: none, aggregator: fedavg, defenses: []}\n"
+        "    - {label: flame, aggregator: fedavg, defenses: [flame]}\n"
+        "    - {label: krum, aggregator: {name: krum, num_malicious: 1}}\n"
+        "  seed: [1, 2]\n")
+    from fedsim.runs.sweep import Grid
+
+    grid = Grid.read(tmp_path / "s.yaml")
+    full = [r.name for r in grid.validated()]
+    cut = [r.name for r in grid.only(["defense=krum,none", "seed=2"]).validated()]
+    assert cut == ["defense_none__seed_2", "defense_krum__seed_2"] and set(cut) <= set(full)
+    for bad, needle in [("defense=median", "no such value; the swept values are ['none', 'flame', 'krum']"),
+                        ("attack=none", "one of the swept keys ['defense', 'seed']"), ("defense", "AXIS=LABEL")]:
+        assert main(["sweep", str(tmp_path / "s.yaml"), "--only", bad]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err

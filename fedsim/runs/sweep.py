@@ -169,6 +169,27 @@ class Grid:
                 raise ScenarioError(str(path), [("sweep", f"expands to more than {MAX_RUNS} runs; split the grid", {k: len(axes[k]) for k in axes})])
         return cls(Path(path), str(raw.get("name", Path(path).stem)), raw, axes)
 
+    def only(self, selections: list[str]) -> "Grid":
+        """The grid cut to a slice: each `AXIS=LABEL[,LABEL...]` keeps those values of one swept key
+        (a case's label, or a plain value as its run name writes it). Run names are the full grid's,
+        so a slice's runs land in the same folders and the whole grid, run later, skips them."""
+        axes = dict(self.axes)
+        for text in selections:
+            axis, eq, labels = text.partition("=")
+            if not eq or axis not in axes or not labels:
+                raise ScenarioError(str(self.path), [("--only", f"AXIS=LABEL[,LABEL...] with AXIS one of the swept keys {sorted(self.axes)}", text)])
+            known = {self.value_label(axis, v): v for v in self.axes[axis]}
+            wanted = [w.strip() for w in labels.split(",")]
+            missing = [w for w in wanted if w not in known]
+            if missing:
+                raise ScenarioError(str(self.path), [(f"--only {axis}", f"no such value; the swept values are {list(known)}", ",".join(missing))])
+            axes[axis] = [known[w] for w in known if w in wanted]  # grid order
+        return Grid(self.path, self.name, self.base, axes)
+
+    def value_label(self, axis: str, value: Any) -> str:
+        """How one value of a swept key appears in run names: a case's label, a plain value's token."""
+        return _case_label(value) if axis.split(".")[0] not in scenario_sections() and isinstance(value, dict) else _token(value)
+
     def cases(self) -> list[tuple[str, dict, dict]]:
         """(run name, swept values, scenario dict) of every run, in grid order."""
         keys = list(self.axes)
