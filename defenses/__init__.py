@@ -14,3 +14,4 @@ from fedsim.defenses import crowdguard  # noqa: F401  (registers)
 
 __all__ = ["Defense", "RoundContext", "UpdateBatch"]
 from fedsim.defenses import fedredefense, flshield, mars, snowball  # noqa: F401,E402  (registers)
+from fedsim.defenses import flip, lockdown  # noqa: F401,E402  (registers)

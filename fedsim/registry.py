@@ -74,6 +74,12 @@ class DefenseTraits:
     fixed_layers: Callable[[Any], bool] = _never  # spec -> whether it cannot follow a low-rank switch
     certify: Any = None  # "module:function" certifying the global model at evaluation (CRFL)
     secure_alternative: str | None = None  # under secure aggregation: what replaces it on the clients
+    # "module:function" an honest client trains with in place of plain `train` (FLIP, Lockdown):
+    # (spec, fedsim.client.steps.HonestTraining) -> (update, stats); honest clients then train one by one
+    client_training: Any = None
+    # "module:function" giving the model the server deploys and its rejection rule, applied before
+    # the central evaluation: (spec, model, runtime, round) -> (model, accept(logits) -> bool [n] | None)
+    inference: Any = None
 
 
 @dataclass(frozen=True)

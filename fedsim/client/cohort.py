@@ -8,7 +8,8 @@ on exactly the batches it would get alone. Their updates wait in the runtime's c
 (fedsim/cohort/store.py); when each message is then answered as usual, `local_update` takes its
 client's update from there instead of training (local DP, the codec, the memory and the reply are unchanged). Attackers and
 clients on their own data train alone, as before, and so does a whole cohort whose model or
-settings cannot be vectorised (BatchNorm, LSTMs, fp16), with the reason logged once. A cohort whose
+settings cannot be vectorised (BatchNorm, LSTMs, fp16), or whose honest clients a defense trains
+(its registry entry's `client_training`: FLIP, Lockdown), with the reason logged once. A cohort whose
 training takes its process over `federation.client_memory_gb` (fedsim/client/memory_limit.py) trains
 one by one too, each message then under the limit on its own.
 
@@ -27,7 +28,7 @@ import torch
 
 from fedsim.client.memory_limit import run_limited
 from fedsim.client.steps import (
-    LocalResult, attacking, local_data_path, model_ranks, partition_id, round_steps, round_train_config, scenario_for_node,
+    LocalResult, attacking, client_defense, local_data_path, model_ranks, partition_id, round_steps, round_train_config, scenario_for_node,
 )
 from fedsim.cohort.store import cohort_store
 from fedsim.cohort.vectorized import chunk_size_for, train_cohort, vector_refusal
@@ -63,6 +64,9 @@ def cohort_refusal(rt) -> str | None:
     protocol = protocol_for(rt.scenario)
     if not protocol.traits.cohort_training:
         return f"the {protocol.name} round protocol trains its clients its own way"
+    defense = client_defense(rt)
+    if defense is not None:  # its client part trains each honest client (fedsim/client/steps.py HonestTraining)
+        return f"defense {defense[0].name} trains the honest clients its own way"
     return vector_refusal(rt.build_model(), training_config(rt, 1))
 
 

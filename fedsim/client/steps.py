@@ -24,7 +24,9 @@ from fedsim.client.memory import ClientMemory
 from fedsim.cohort.store import take_pretrained
 from fedsim.data.local import NODE_CONFIG_KEY as LOCAL_DATA
 from fedsim.devices import client_train_config
+from fedsim.models.layout import ModelLayout
 from fedsim.privacy.local import privatize_release
+from fedsim.registry import DEFENSES
 from fedsim.seeding import TRAIN, derive_seed
 from fedsim.training import TrainConfig, train
 from fedsim.wire import ATTACK_METRICS_RECORD, BACKDOOR_RECORD, WORK_RECORD, pack_payload, unpack_model
@@ -102,6 +104,38 @@ class LocalResult(NamedTuple):
     shared: dict[str, np.ndarray] | None = None  # what an attacker reports for the backdoor measurement
 
 
+@dataclass(frozen=True)
+class HonestTraining:
+    """One honest client's training in one round, handed to a defense's client part (its registry
+    entry's `client_training`: FLIP, Lockdown) in place of plain `train`. It trains `model` (the
+    global model, loaded) on (x, y) with `cfg` and `seed`, as plain training would, and returns
+    (update: the flat [d] vector uploaded, stats: at least `loss`)."""
+
+    rt: object  # the client's runtime (fedsim/runtime.py)
+    pid: int  # its partition id
+    rnd: int
+    model: torch.nn.Module
+    global_vec: torch.Tensor
+    layout: ModelLayout
+    cfg: TrainConfig  # the client's training settings (federation and device)
+    seed: int
+    x: np.ndarray
+    y: np.ndarray
+    memory: dict[str, np.ndarray]  # the client's own arrays across rounds (fedsim/client/memory.py), updated in place
+
+
+def client_defense(rt) -> tuple[object, object] | None:
+    """(spec, function) of the scenario's defense that trains honest clients itself, or None
+    (validation lets a scenario have at most one)."""
+    def find():
+        for spec in rt.scenario.defenses:
+            fn = DEFENSES.get(spec.name).load("client_training")
+            if fn is not None:
+                return spec, fn
+        return None
+    return rt.cached(("client-training",), find)
+
+
 def round_steps(config) -> int | None:
     """The local steps the server set for this round (AdaComm's τ on the federation clock), or None."""
     value = config.get("local-steps") if hasattr(config, "get") else None
@@ -125,7 +159,9 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
 
     Under redundant aggregation (DETOX) the server names a `data-partition`: every member of a
     group then trains on that shard with that shard's seed, so honest members agree bit for bit.
-    `memory`: an attacker's arrays from its previous attack round, updated in place.
+    `memory`: the client's own arrays from its previous rounds, updated in place: an attacker's
+    attack's, or an honest client's under a defense with a client part (`client_defense`), which
+    then trains it in place of `train`, never with its cohort.
     `data`: an honest device's own (x, y) in place of its partition; an attacker ignores it.
     """
     fed = rt.scenario.federation
@@ -133,7 +169,8 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
     ranks = model_ranks(config)
     layout = rt.layout_for(ranks)
     attack = rt.attack if attacking(rt, pid) else None
-    if attack is None and data is None:
+    defense = client_defense(rt) if attack is None else None  # attackers train as their attack says
+    if attack is None and data is None and defense is None:
         done = take_pretrained(rt, rnd, pid, global_vec)  # trained with its cohort (fedsim/client/cohort.py)
         if done is not None:
             return done
@@ -149,6 +186,12 @@ def local_update(rt, pid: int, global_vec: torch.Tensor, rnd: int, config, memor
         delta = attack.finish_update(layout.flatten_model(model) - global_vec, info)
         return LocalResult(delta, n, stats, attack.shared_state(job))
     x, y = data if data is not None else rt.client_data(data_pid)
+    if defense is not None and len(x):
+        spec, client_training = defense
+        job = HonestTraining(rt, pid, rnd, model, global_vec, layout, client_train_config(cfg, rt.scenario), seed, x, y,
+                             memory if memory is not None else {})
+        delta, stats = client_training(spec, job)
+        return LocalResult(delta, len(x), stats)
     stats = train(model, x, y, client_train_config(cfg, rt.scenario), seed) if len(x) else {"loss": 0.0}
     return LocalResult(layout.flatten_model(model) - global_vec, len(x), stats)
 

@@ -1,11 +1,19 @@
 """What the server measures on the global model each round: main-task accuracy and loss on the
 (optionally subsampled) test set, the attack's success rate on its own test set, and clean
 accuracy on the edge set's source class; with `evaluation.edge_model`, the same numbers on each
-edge copy of the model (pruned / quantized as a device runs it: fedsim/models/edge_copy.py)."""
+edge copy of the model (pruned / quantized as a device runs it: fedsim/models/edge_copy.py).
+
+A defense with an inference part (its registry entry's `inference`) changes what is measured:
+every number is taken on the model it deploys (Lockdown: the global model after consensus
+fusion), and an input its rule rejects (FLIP: softmax confidence below a threshold) counts as
+not correct for the main accuracy and the source class, and as no hit for the backdoor success,
+over the same denominators (FLIP's official `test.py`). The loss is the deployed model's on all inputs."""
 
 from __future__ import annotations
 
 import copy
+import functools
+from typing import Callable
 
 import numpy as np
 import torch
@@ -47,6 +55,9 @@ class CentralEvaluator:
         # defenses that certify the global model (CRFL): (name, spec, certify function)
         certify = [(d.name, d, DEFENSES.get(d.name).load("certify")) for d in scenario.defenses]
         self.certifiers = [c for c in certify if c[2] is not None]
+        # defenses that deploy another model or reject inputs at inference (Lockdown, FLIP): (spec, function)
+        inference = [(d, DEFENSES.get(d.name).load("inference")) for d in scenario.defenses]
+        self.inference = [(d, fn) for d, fn in inference if fn is not None]
         self.edge_specs = [(f"evaluation.edge_model[{i}]", spec) for i, spec in enumerate(scenario.evaluation.edge_model)]
         # a static int8 copy's calibration inputs: a fixed seeded subset of the evaluated test set
         need = max((s.calibration for _, s in self.edge_specs if s.quantize == "int8_static"), default=0)
@@ -85,18 +96,32 @@ class CentralEvaluator:
                 out[name] = fn(spec, model, sets, derive_seed(self.scenario.seed, SERVER, CERTIFY, rnd), rnd=rnd)
         return out or None
 
+    def deploy(self, model: torch.nn.Module, rnd: int | None) -> tuple[torch.nn.Module, Callable | None]:
+        """The model the server deploys after round `rnd` and its rejection rule (logits -> bool [n]:
+        accepted; None accepts all): each inference defense's, in the scenario's order. `model` is
+        never changed in place."""
+        accepts = []
+        for spec, fn in self.inference:
+            model, accept = fn(spec, model, self.runtime, rnd)
+            if accept is not None:
+                accepts.append(accept)
+        if not accepts:
+            return model, None
+        return model, lambda logits: functools.reduce(torch.logical_and, (a(logits) for a in accepts))
+
     def __call__(self, model: torch.nn.Module, rnd: int | None = None) -> dict:
         """One forward pass over each set: the source-class accuracy reuses the main predictions.
         With `rnd`, the certifying defenses' numbers of that round come under `certification`."""
+        model, accept = self.deploy(model, rnd)
         given, on_cpu = model, self.device.type == "cpu"
         channels_last = self.x.ndim == 4 and on_cpu  # image models: NHWC convolutions are faster on CPU
         if channels_last:
             model = copy.deepcopy(model).to(memory_format=torch.channels_last)  # the caller's model keeps its layout
         # a copy on the evaluation's device; certification below keeps the CPU model
         net = model if on_cpu else copy.deepcopy(model).to(self.device)
-        out, pred = self._metrics(net, channels_last, self.device)
+        out, pred = self._metrics(net, channels_last, self.device, accept)
         if self.edge_specs:
-            out["edge_model"] = {spec.key(): self._edge(given, where, spec, pred) for where, spec in self.edge_specs}
+            out["edge_model"] = {spec.key(): self._edge(given, where, spec, pred, accept) for where, spec in self.edge_specs}
         if rnd is not None and self.certifiers:
             certification = self.certify(model, rnd)
             if certification is not None:
@@ -106,31 +131,34 @@ class CentralEvaluator:
     def _copy(self, model: torch.nn.Module, where: str, spec):
         return edge_copy(model, spec, where, self.calibration, self.batch_size)
 
-    def _edge(self, model: torch.nn.Module, where: str, spec, fp32_pred: np.ndarray) -> dict:
+    def _edge(self, model: torch.nn.Module, where: str, spec, fp32_pred: np.ndarray, accept: Callable | None = None) -> dict:
         """The fp32 metrics on one edge copy of `model`, with the same sets and batches, plus
         `agreement`: the share of test inputs on which it predicts the fp32 model's class. An int8
         copy runs on the CPU (its kernels are CPU only), the others where the evaluation runs."""
         edge = self._copy(model, where, spec)
         device = torch.device("cpu") if edge.cpu_only else self.device
-        out, pred = self._metrics(edge.to(device), False, device)
+        out, pred = self._metrics(edge.to(device), False, device, accept)
         main = {k: out.pop(k) for k in ("main_accuracy", "main_loss")}
         return {**main, "agreement": _share(pred == fp32_pred), **out}
 
-    def _metrics(self, net: torch.nn.Module, channels_last: bool, device: torch.device) -> tuple[dict, np.ndarray]:
+    def _metrics(self, net: torch.nn.Module, channels_last: bool, device: torch.device,
+                 accept: Callable | None = None) -> tuple[dict, np.ndarray]:
         """(main accuracy and loss, backdoor success and the source class's accuracy when measured;
-        the main predictions) of `net` on `device`."""
+        the main predictions) of `net` on `device`; an input `accept` rejects is never a hit."""
         pred, logits = predict(net, self.x, self.batch_size, channels_last, device)
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(self.y)).item() if len(self.y) else float("nan")
-        out = {"main_accuracy": _share(pred == self.y), "main_loss": float(loss), "backdoor_success": None}
+        correct = (pred == self.y) & _accepted(accept, logits)
+        out = {"main_accuracy": _share(correct), "main_loss": float(loss), "backdoor_success": None}
         if self.backdoor is not None:
             x_bd, targets = self.backdoor
-            hits = predict(net, x_bd, self.batch_size, channels_last, device)[0] == targets
+            bd_pred, bd_logits = predict(net, x_bd, self.batch_size, channels_last, device)
+            hits = (bd_pred == targets) & _accepted(accept, bd_logits)
             out["backdoor_success"] = _share(hits)
             if self.beyond_clean is not None:
                 out["backdoor_success_beyond_clean"] = _share(hits[self.beyond_clean])
         if self.source is not None:
             mask = self.y == self.source
-            out["source_class_accuracy"] = _share(pred[mask] == self.y[mask])
+            out["source_class_accuracy"] = _share(correct[mask])
         return out, pred
 
 
@@ -140,6 +168,11 @@ def held_out_test(runtime) -> np.ndarray | None:
     if getattr(spec, "root_source", None) != "test":
         return None
     return server_sample(runtime, spec.root_size, "test")
+
+
+def _accepted(accept: Callable | None, logits: torch.Tensor) -> np.ndarray | bool:
+    """Which inputs the deployed model answers (True: all)."""
+    return True if accept is None else accept(logits).cpu().numpy().astype(bool)
 
 
 def _share(hits: np.ndarray) -> float:
