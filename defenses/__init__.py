@@ -11,7 +11,7 @@ from fedsim.defenses import alignins  # noqa: F401  (registers)
 from fedsim.defenses import fedgame  # noqa: F401  (registers)
 from fedsim.defenses import backdoor_indicator  # noqa: F401  (registers)
 from fedsim.defenses import crowdguard  # noqa: F401  (registers)
+from fedsim.defenses import fedredefense, flshield, mars, snowball  # noqa: F401  (registers)
+from fedsim.defenses import flip, lockdown  # noqa: F401  (registers)
 
 __all__ = ["Defense", "RoundContext", "UpdateBatch"]
-from fedsim.defenses import fedredefense, flshield, mars, snowball  # noqa: F401,E402  (registers)
-from fedsim.defenses import flip, lockdown  # noqa: F401,E402  (registers)

@@ -79,6 +79,13 @@ class FedGameParams(Params):
     nc_patience: int = Field(30, ge=0, le=10_000, description="stop a class after more than this many epochs without a smaller mask norm (official: 30)")
     nc_batch_size: int = Field(64, ge=1, le=100_000, description="batch size of the reverse engineering (official batch_size: 64)")
 
+    def round_problem(self, n: int):
+        if n >= 2:
+            return None
+        return "", (f"fedgame needs at least 2 updates, got n={n}: the genuine-score-weighted mean of a lone update is "
+                    "that update whatever its score (the trigger is reverse-engineered on that very model), so it can "
+                    "only pass it unchanged or skip the round"), n
+
 
 def scenario_problems(sc, index: int) -> list[tuple[str, str, object]]:
     """FedGame's aggregate is the genuine-score-weighted mean: the rule after it must be the weighted mean."""
