@@ -115,6 +115,22 @@ def run_local(scenario, where: str | Path | RunFolder, *, grid=None, nodes: int 
     return LocalRun(read_rounds(folder), summary, folder.path)
 
 
+def attacked_and_clean(where: Path, attack: dict, *, checkpoints: bool = False, **sections: Any) -> tuple[LocalRun, float]:
+    """A quick run with `attack` and the same run without it: (the attacked run, the backdoor success
+    the clean run's final model already has on the attack's test set), the floor an attack must beat."""
+    from fedsim.runs.checkpoint import load_server
+    from fedsim.runtime import Runtime
+    from fedsim.training import predict
+
+    done = run_local(quick_scenario(attack=attack, **sections), where / "attacked", checkpoints=checkpoints)
+    clean = run_local(quick_scenario(attack=None, **sections), where / "clean", checkpoints=True)
+    rt = Runtime(quick_scenario(attack=attack, **sections))
+    net = rt.build_model()
+    rt.layout.load_into(net, load_server(clean.path, clean.rounds[-1]["round"])["global"])
+    x, y = rt.attack.backdoor_test_set(rt)
+    return done, float((predict(net, x)[0] == y).mean())
+
+
 def round_context(d: int | None = None, rnd: int = 1, seed: int = 0, *, global_weights=None, layout=None,
                   bias: bool = False, previous=None, tools=None):
     """A fedsim.updates.RoundContext for round `rnd` of a flat model of `d` weights, its generator

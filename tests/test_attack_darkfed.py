@@ -7,16 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import quick_scenario, run_local
+from conftest import attacked_and_clean, quick_scenario
 
 from fedsim.attacks.base import AttackerRound
 from fedsim.attacks.darkfed import (
     brown_forecast, compress, cosine_lrs, mimicry_loss, output_layer, smooth, target_vector,
 )
-from fedsim.runs.checkpoint import load_server
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError
-from fedsim.training import TrainConfig, predict
+from fedsim.training import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MLP = {"name": "mlp", "hidden": [32]}
@@ -124,12 +123,6 @@ def test_bad_parameters_are_named(bad):
 def test_short_run_plants_a_backdoor_the_clean_model_lacks(tmp_path):
     attack = {"name": "darkfed", "attacker_ids": [1, 3], "shadow_size": 1500, "target_class": 0, "lr": 0.05,
               "poison_prob": 0.3, "schedule": {"name": "every_round"}}
-    done = run_local(quick_scenario(model=MLP, federation=FED, attack=attack), tmp_path / "a")
-    clean = run_local(quick_scenario(model=MLP, federation=FED, attack=None), tmp_path / "c", checkpoints=True)
-    rt = Runtime(quick_scenario(model=MLP, federation=FED, attack=attack))
-    model = rt.build_model()
-    rt.layout.load_into(model, load_server(clean.path, 3)["global"])
-    x, y = rt.attack.backdoor_test_set(rt)
-    clean_asr = float((predict(model, x)[0] == y).mean())
+    done, clean_asr = attacked_and_clean(tmp_path, attack, model=MLP, federation=FED)
     assert all(r["attackers"] for r in done.rounds), [r["attackers"] for r in done.rounds]
     assert min(r["backdoor_success"] for r in done.rounds) > clean_asr + 0.2

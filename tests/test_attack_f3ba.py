@@ -7,14 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import quick_scenario, run_local
+from conftest import attacked_and_clean, quick_scenario
 
 from fedsim.attacks.base import AttackerRound
 from fedsim.attacks.f3ba import candidate_mask, first_activation, flip_filters, flip_neurons
-from fedsim.runs.checkpoint import load_server
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError
-from fedsim.training import TrainConfig, predict
+from fedsim.training import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FED = {"num_clients": 6, "clients_per_round": 6, "rounds": 3, "local_epochs": 1, "batch_size": 32, "lr": 0.1, "momentum": 0.9}
@@ -103,12 +102,6 @@ def test_bad_parameters_are_named():
 def test_short_run_plants_a_backdoor_the_clean_model_lacks(tmp_path):
     attack = {"name": "f3ba", "attacker_ids": [1, 3], "target_class": 0, "size": 2, "schedule": {"name": "every_round"}}
     model = {"name": "mlp", "hidden": [32]}
-    done = run_local(quick_scenario(model=model, federation=FED, attack=attack), tmp_path / "a")
-    clean = run_local(quick_scenario(model=model, federation=FED, attack=None), tmp_path / "c", checkpoints=True)
-    rt = Runtime(quick_scenario(model=model, federation=FED, attack=attack))
-    net = rt.build_model()
-    rt.layout.load_into(net, load_server(clean.path, 3)["global"])
-    x, y = rt.attack.backdoor_test_set(rt)
-    clean_asr = float((predict(net, x)[0] == y).mean())
+    done, clean_asr = attacked_and_clean(tmp_path, attack, model=model, federation=FED)
     assert all(r["attackers"] for r in done.rounds)
     assert max(r["backdoor_success"] for r in done.rounds) > clean_asr + 0.05, [r["backdoor_success"] for r in done.rounds]

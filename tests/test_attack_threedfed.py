@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import quick_scenario, round_context, run_local
+from conftest import attacked_and_clean, quick_scenario, round_context
 
 from fedsim.attacks.threedfed import ThreeDFedParams, adaptive_tuning, group_masks, pick_indicators, read_feedback
-from fedsim.runs.checkpoint import load_server
 from fedsim.runtime import Runtime
 from fedsim.scenario import ScenarioError
 from fedsim.server.tools import ServerTools
-from fedsim.training import predict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MLP = {"name": "mlp", "hidden": [32]}
@@ -104,13 +102,7 @@ def test_bad_parameters_are_named(bad):
 def test_short_run_plants_a_backdoor_the_clean_model_lacks(tmp_path):
     attack = {"name": "threedfed", "attacker_ids": [1, 3], "target_class": 0, "size": 2, "poison_epochs": 5,
               "schedule": {"name": "every_round"}}
-    done = run_local(quick_scenario(model=MLP, federation=FED, attack=attack), tmp_path / "a", checkpoints=True)
-    clean = run_local(quick_scenario(model=MLP, federation=FED, attack=None), tmp_path / "c", checkpoints=True)
-    rt = Runtime(quick_scenario(model=MLP, federation=FED, attack=attack))
-    net = rt.build_model()
-    rt.layout.load_into(net, load_server(clean.path, 3)["global"])
-    x, y = rt.attack.backdoor_test_set(rt)
-    clean_asr = float((predict(net, x)[0] == y).mean())
+    done, clean_asr = attacked_and_clean(tmp_path, attack, checkpoints=True, model=MLP, federation=FED)
     assert all(r["attackers"] for r in done.rounds)
     assert min(r["backdoor_success"] for r in done.rounds) > clean_asr + 0.2
     assert "acceptance" in done.rounds[1]["attack"]  # the feedback was read in round 2
