@@ -204,7 +204,8 @@ def train_delta(call: ClientCall, global_vec: torch.Tensor, config) -> Trained:
     data = own_data(rt, call.context, pid, config)
     memory = ClientMemory.recall(call.context, pid, rnd, call.state_dir)
     started = time.perf_counter()
-    result = local_update(rt, pid, global_vec, rnd, config, memory.attack, data)
+    own = memory.attack if attacking(rt, pid) else memory.defense  # an attacker's arrays, or a client-side defense's
+    result = local_update(rt, pid, global_vec, rnd, config, own, data)
     train_seconds = time.perf_counter() - started
     delta = result.delta
     if not attacking(rt, pid):  # local DP: an honest update is clipped and noised before it leaves (docs/privacy.md)
