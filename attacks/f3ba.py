@@ -333,7 +333,7 @@ class F3BA(PartitionPoisoner):
         previous = job.memory.get("previous_global")
         prev_vec = torch.from_numpy(np.asarray(previous, dtype=np.float32)) if previous is not None and \
             np.shape(previous) == (job.layout.dim,) else rt.initial_weights()
-        rounds = int(np.asarray(job.memory.get("handcraft_rounds", 0))) + 1
+        rounds = int(np.asarray(job.memory.get("handcraft_rounds", 0)).reshape(-1)[0]) + 1  # a 0-d array comes back as [1]
         model = job.model
         cand = self.candidates(model, job.layout.unflatten(prev_vec))
         job.memory["previous_global"] = job.global_vec.detach().numpy().copy()
@@ -348,7 +348,7 @@ class F3BA(PartitionPoisoner):
                 t = self.search_trigger(model, cand, t, xc, m, lo, hi, job.train.batch_size, derive_seed(job.seed, HANDCRAFT))
             self.handcraft(model, cand, t, xc, m, neurons=(rounds - 1) % p.neuron_every == 0)
         job.memory["trigger"] = t.numpy().copy()
-        job.memory["handcraft_rounds"] = np.asarray(rounds)
+        job.memory["handcraft_rounds"] = np.array([rounds])
         x, y = self.training_set(rt, pid)
         info = {"num_examples": len(x), **job.config}
         if not len(x):

@@ -151,7 +151,7 @@ def scored_layers(ctx: RoundContext, layers: str) -> list[tuple[str, str | None,
     if layers == "auto" and pairs:
         return pairs
     weights = [n for n, s in zip(lay.names, lay.shapes) if len(s) >= 2]
-    if layers == "auto":
+    if layers == "auto" and len(weights) > 1:  # the output layer left out, unless it is the only one
         weights = weights[:-1]
     if not weights:
         raise ValueError(f"mars: the model has no conv/Linear weight to score (layers={layers}); have {lay.names}")
@@ -183,6 +183,8 @@ class MARS(Defense):
         if n < 2:
             return batch, {"removed": []}
         p = self.params
+        if not any(len(shape) >= 2 for shape in ctx.layout.shapes):  # nothing has neurons to bound
+            return batch, {"removed": [], "note": "no conv/Linear weight matrix in the model: no backdoor energy to measure"}
         cbe = cbe_vectors(batch.updates, ctx, p.layers, p.u).cpu()
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=ctx.generator, device=ctx.generator.device))
         remove, info = mars_split(cbe, p.epsilon, seed, p.n_init)

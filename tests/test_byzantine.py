@@ -178,7 +178,19 @@ def test_gaussian_is_deterministic_per_seed_and_relative_to_honest_norm():
 # ----------------------------------------------------------------------------- every registration
 
 
-@pytest.mark.parametrize("name", [e.name for e in ATTACKS.entries() if e.obj.side == "server"])
+# server attacks that train on the attackers' data through the server's runtime (RoundContext.tools):
+# run for real in their own tests (tests/test_attack_threedfed.py); on bare tensors they refuse clearly
+NEEDS_RUNTIME = {"threedfed"}
+
+
+def test_an_attack_that_needs_the_runtime_says_so_on_bare_tensors():
+    for name in NEEDS_RUNTIME:
+        entry = ATTACKS.get(name)
+        with pytest.raises(ValueError, match="needs the server's runtime"):
+            entry.obj(entry.params()).craft(torch.randn(8, 30), 3, make_ctx(30))
+
+
+@pytest.mark.parametrize("name", [e.name for e in ATTACKS.entries() if e.obj.side == "server" and e.name not in NEEDS_RUNTIME])
 def test_every_server_attack_runs_from_defaults(name):
     entry = ATTACKS.get(name)
     honest = torch.randn(8, 30, generator=torch.Generator().manual_seed(12))
