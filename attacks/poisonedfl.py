@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import torch
 from pydantic import Field
-from scipy.stats import binom
 
 from fedsim.attacks.base import AttackParams, Crafted
 from fedsim.attacks.byzantine import _Byzantine
@@ -90,6 +89,8 @@ class PoisonedFLParams(AttackParams):
 def aligned_threshold(d: int, confidence: float) -> int:
     """The `confidence` quantile of Binomial(d, 1/2): how many of d coordinates must agree with s
     before the agreement is more than chance (the official k_95 / k_99 for its networks)."""
+    from scipy.stats import binom  # here, not at import: the ClientApp imports every attack, and a device has no scipy
+
     return int(binom.ppf(confidence, d, 0.5))
 
 
