@@ -53,6 +53,10 @@ def real_data_dir() -> Path:
 # them as `from conftest import quick_scenario, run_local, round_context, update_batch`.
 
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
+# a digits-sized edge-case attacker in every round: rotated 7s -> 1, from the tail set (no data directory needed)
+TAIL_ATTACK = {"name": "edge_case", "num_attackers": 1, "schedule": {"name": "fixed_frequency", "every": 1, "first": 1},
+               "edge_set": {"name": "tail", "source_class": 7, "target_class": 1, "transform": "rotate", "angle_range": [30, 90]},
+               "num_edge": 20, "num_clean": 20}
 QUICK: dict[str, Any] = {  # a small digits run: 6 clients, 3 a round, 2 rounds of 1 epoch, no attack
     "data": {"dataset": "digits"},
     "model": {"name": "mlp", "hidden": [16]},

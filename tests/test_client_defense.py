@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import quick_scenario, run_local
+from conftest import TAIL_ATTACK, quick_scenario, run_local
 from fedsim.client import cohort as cohort_module
 from fedsim.client.cohort import cohort_refusal
 from fedsim.client.steps import client_defense, local_update
@@ -21,9 +21,7 @@ from fedsim.server.evaluation import CentralEvaluator
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ATTACK = {"name": "edge_case", "num_attackers": 1, "schedule": {"name": "fixed_frequency", "every": 1, "first": 1},
-          "edge_set": {"name": "tail", "source_class": 7, "target_class": 1, "transform": "rotate", "angle_range": [30, 90]},
-          "num_edge": 20, "num_clean": 20}
+ATTACK = TAIL_ATTACK
 FLIP = {"name": "flip", "warmup_steps": 5, "steps": 3, "confidence_threshold": 0.0}
 
 

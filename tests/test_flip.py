@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import quick_scenario, run_local
+from conftest import TAIL_ATTACK, quick_scenario, run_local
 from fedsim.client.steps import HonestTraining, local_update
 from fedsim.defenses.flip import (
     FLIPParams, confidence_accept, flip_inference, flip_train, inversion_set, invert_triggers, mask_shape, stamp,
@@ -153,9 +153,7 @@ def test_bad_parameters_name_the_field():
 def test_digits_run_and_listed(tmp_path, capsys):
     from fedsim.cli import main
 
-    attack = {"name": "edge_case", "num_attackers": 1, "schedule": {"name": "fixed_frequency", "every": 1, "first": 1},
-              "edge_set": {"name": "tail", "source_class": 7, "target_class": 1, "transform": "rotate",
-                           "angle_range": [30, 90]}, "num_edge": 20, "num_clean": 20}
+    attack = TAIL_ATTACK
     scenario = quick_scenario(attack=attack, defenses=[{"name": "flip", "warmup_steps": 20, "steps": 10,
                                                         "confidence_threshold": 0.2}])
     rounds = run_local(scenario, tmp_path).rounds

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import quick_scenario, round_context, run_local, update_batch
+from conftest import TAIL_ATTACK, quick_scenario, round_context, run_local, update_batch
 from fedsim.client.steps import local_update
 from fedsim.defenses.lockdown import (
     MAILBOX, SUPPORT_MARK, Lockdown, LockdownParams, consensus, drop_ratio, initial_mask, layer_densities,
@@ -178,9 +178,7 @@ def test_bad_parameters_name_the_field():
 def test_digits_run_and_listed(tmp_path, capsys):
     from fedsim.cli import main
 
-    attack = {"name": "edge_case", "num_attackers": 1, "schedule": {"name": "fixed_frequency", "every": 1, "first": 1},
-              "edge_set": {"name": "tail", "source_class": 7, "target_class": 1, "transform": "rotate",
-                           "angle_range": [30, 90]}, "num_edge": 20, "num_clean": 20}
+    attack = TAIL_ATTACK
     scenario = quick_scenario("federation.rounds=3", attack=attack, defenses=[LOCKDOWN])
     rounds = run_local(scenario, tmp_path).rounds
     assert [r["round"] for r in rounds] == [1, 2, 3]
