@@ -90,7 +90,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from fedsim.attacks.base import AttackerRound, AttackParams, ClientAttack
-from fedsim.attacks.trigger import check_class, image_hw, stamp, stamped_test_set, trigger_mask, trigger_value
+from fedsim.attacks.trigger import PixelTrigger, check_class, image_hw, stamp, stamped_test_set, trigger_mask, trigger_value
 from fedsim.registry import ATTACKS
 from fedsim.seeding import derive_seed
 from fedsim.training import TrainConfig, evaluate, predict, sgd_epochs, train
@@ -101,7 +101,7 @@ SPLIT, LSA_BENIGN, LSA_MALICIOUS, LOCAL_MALICIOUS = 0x15A0, 0x15A1, 0x15A2, 0x15
 MEMORY_KEY = "critical_layers"
 
 
-class CriticalLayersParams(AttackParams):
+class CriticalLayersParams(PixelTrigger, AttackParams):  # the trigger: pattern, size, location, value
     variant: Literal["lp", "lf"] = Field(
         "lp", description="lp = Layer-wise Poisoning (BC layers poisoned, the rest benign); lf = Layer-wise Flipping "
         "(BC layers' malicious change reversed, official train_malicious_LFA)"
@@ -117,10 +117,6 @@ class CriticalLayersParams(AttackParams):
         "(official LPA: 1; lp_attack: --cnn_scale 0.5 / --cifar_scale 1.0); unused by lf",
     )
     target_class: int = Field(0, ge=0, description="label the stamped inputs are given (all-to-one)")
-    pattern: Literal["square", "plus", "bars"] = Field("square", description="shape of the pixel trigger")
-    size: int = Field(3, ge=1, description="side of the trigger's box in pixels (2 suits 8x8 digits)")
-    location: Literal["bottom_right", "top_left"] = Field("bottom_right", description="corner of the trigger")
-    value: float | None = Field(None, description="stamped pixel value; default: the training set's max per channel (white)")
     lsa_min_accuracy: float = Field(
         0.9, gt=0, le=1,
         description="LSA's benign model trains until this accuracy on the attacker's training split "
@@ -142,9 +138,7 @@ class CriticalLayersParams(AttackParams):
     lr: float | None = Field(None, gt=0, description="attacker's lr; default: the honest clients' lr")
 
     @model_validator(mode="after")
-    def _plus(self) -> "CriticalLayersParams":
-        if self.pattern == "plus" and self.size % 2 == 0:
-            raise ValueError(f"the plus pattern needs an odd attack.size, got {self.size}")
+    def _fallback_below_target(self) -> "CriticalLayersParams":
         if self.lsa_fallback_accuracy > self.lsa_min_accuracy:
             raise ValueError(f"attack.lsa_fallback_accuracy={self.lsa_fallback_accuracy} exceeds "
                              f"attack.lsa_min_accuracy={self.lsa_min_accuracy}")

@@ -69,7 +69,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedsim.attacks.base import AttackParams, Crafted, ServerAttack
-from fedsim.attacks.trigger import check_class, image_hw, stamped_test_set, trigger_mask, trigger_value
+from fedsim.attacks.trigger import PixelTrigger, check_class, image_hw, stamped_test_set, trigger_mask, trigger_value
 from fedsim.registry import ATTACKS
 from fedsim.seeding import derive_seed
 from fedsim.training import TrainConfig, sgd_epochs, train
@@ -78,13 +78,9 @@ from fedsim.updates import RoundContext
 KEY = 0x3DFED  # purpose key of the attack's own training
 
 
-class ThreeDFedParams(AttackParams):
+class ThreeDFedParams(PixelTrigger, AttackParams):  # the trigger: pattern, size, location, value
     num_attackers: int = Field(4, ge=1, description="clients the attacker controls (official fl_number_of_adversaries: 4)")
     target_class: int = Field(8, ge=0, description="label the trigger leads to (official backdoor_label: 8)")
-    pattern: Literal["square", "plus", "bars"] = Field("square", description="shape of the pixel trigger")
-    size: int = Field(3, ge=1, description="side of the trigger's box in pixels (2 suits 8x8 digits)")
-    location: Literal["bottom_right", "top_left"] = Field("bottom_right", description="corner of the trigger")
-    value: float | None = Field(None, description="trigger pixel value; default: the training set's max per channel (white)")
     poison_epochs: int = Field(15, ge=1, description="epochs of the constrained backdoor training (official fl_poison_epochs: 15)")
     normal_weight: float = Field(0.3, ge=0, description="weight of the clean loss (official fixed_scales normal: 0.3)")
     backdoor_weight: float = Field(0.3, ge=0, description="weight of the backdoor loss (official: 0.3)")

@@ -25,7 +25,7 @@ from pydantic import Field, model_validator
 
 from fedsim.attacks.base import AttackParams, ClientAttack
 from fedsim.attacks.edge_case import replacement_factor
-from fedsim.registry import ATTACKS
+from fedsim.registry import ATTACKS, Params
 
 Scale = Union[Annotated[float, Field(gt=0)], Literal["auto"]]
 
@@ -207,21 +207,26 @@ class _PixelBackdoor(PartitionPoisoner):
 
 
 # --------------------------------------------------------------------------- BadNets trigger
-class TriggerParams(PoisonParams):
-    target_class: int = Field(0, ge=0, description="label the stamped inputs are given")
+class PixelTrigger(Params):
+    """The pixel pattern an attack stamps (`trigger_mask`): BadNets' and every attack that reuses its trigger."""
+
     pattern: Literal["square", "plus", "bars"] = Field("square", description="shape of the pixel pattern")
     size: int = Field(3, ge=1, description="side of the pattern's box in pixels (2 suits 8x8 digits)")
     location: Literal["bottom_right", "top_left"] = Field("bottom_right", description="corner of the pattern")
     value: float | None = Field(None, description="stamped pixel value; default: the training set's max per channel (white)")
-    poison_fraction: float = Field(
-        0.5, gt=0, le=1, description="share of the attacker's partition stamped and relabelled (chosen once)"
-    )
 
     @model_validator(mode="after")
-    def _odd_plus(self) -> "TriggerParams":
+    def _odd_plus(self):
         if self.pattern == "plus" and self.size % 2 == 0:
             raise ValueError(f"the plus pattern needs an odd attack.size, got {self.size}")
         return self
+
+
+class TriggerParams(PixelTrigger, PoisonParams):
+    target_class: int = Field(0, ge=0, description="label the stamped inputs are given")
+    poison_fraction: float = Field(
+        0.5, gt=0, le=1, description="share of the attacker's partition stamped and relabelled (chosen once)"
+    )
 
 
 @ATTACKS.register("trigger", TriggerParams)
