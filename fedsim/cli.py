@@ -190,7 +190,8 @@ def replace_between(text: str, tag: str, body: str) -> str:
 KIND_ALIASES = {"edge_set": "edge set", "edge_sets": "edge set", "edge-set": "edge set", "edge-sets": "edge set",
                 "tracking_sink": "tracking sink", "tracking-sink": "tracking sink", "tracking": "tracking sink",
                 "sink": "tracking sink", "round protocol": "protocol",
-                "codec": "compressor", "codecs": "compressor", "dataset": "dataset"}
+                "codec": "compressor", "codecs": "compressor", "dataset": "dataset",
+                "privacy_attack": "privacy attack", "privacy-attack": "privacy attack", "leakage": "privacy attack"}
 
 
 def kind_name(text: str, kinds: list[str]) -> str | None:

@@ -90,6 +90,14 @@ class AttackTraits:
 
 
 @dataclass(frozen=True)
+class PrivacyAttackTraits:
+    """A privacy attack (leakage/): what it reads and what it needs of the scenario."""
+
+    kind: str = "inversion"  # "inversion": reconstructs inputs from an update; "membership": scores targets against a model
+    needs_model: str | None = None  # the model the scenario must name (the imprint attack's malicious `imprint` model)
+
+
+@dataclass(frozen=True)
 class CompressorTraits:
     dense: bool = False  # uploads the update as it is: what secure masking and FedMA's layer uploads need
 
@@ -229,10 +237,12 @@ MODELS = Registry("model", ModelTraits)
 PARTITIONERS = Registry("partitioner", PartitionerTraits)
 PROTOCOLS = Registry("protocol", ProtocolTraits)
 TRACKING_SINKS = Registry("tracking sink", SinkTraits)
+PRIVACY_ATTACKS = Registry("privacy attack", PrivacyAttackTraits)
 
 ALL = {
     r.kind: r
-    for r in (AGGREGATORS, DEFENSES, ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS, PROTOCOLS, TRACKING_SINKS)
+    for r in (AGGREGATORS, DEFENSES, ATTACKS, COMPRESSORS, DATASETS, MODELS, PARTITIONERS, PROTOCOLS, TRACKING_SINKS,
+              PRIVACY_ATTACKS)
 }
 
 # Modules whose import registers components. Kept in one list so that registering is explicit.
@@ -240,6 +250,7 @@ COMPONENT_MODULES = (
     "fedsim.aggregators",
     "fedsim.defenses",
     "fedsim.attacks",
+    "fedsim.leakage",
     "fedsim.fedma",
     "fedsim.compression",
     "fedsim.data",

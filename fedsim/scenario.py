@@ -18,8 +18,8 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from fedsim.devices import DeviceName, GpuShare
-from fedsim.registry import (AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS, PROTOCOLS,
-                             TRACKING_SINKS, Registry, chooses, load, protocol_for)
+from fedsim.registry import (AGGREGATORS, ATTACKS, COMPRESSORS, DATASETS, DEFENSES, MODELS, PARTITIONERS,
+                             PRIVACY_ATTACKS, PROTOCOLS, TRACKING_SINKS, Registry, chooses, load, protocol_for)
 from fedsim.clock.config import SystemsSection
 from fedsim.secagg.config import SecureAggregationSection
 from fedsim.secagg.config import parse_section as parse_secure_aggregation
@@ -320,6 +320,7 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
         defense_check = DEFENSES.get(d.name).traits.scenario_check
         if defense_check is not None:
             out += defense_check(sc, i)
+    out += privacy_attack_problems(sc, protocol)
     if sc.systems is None:  # simulated time as a tracking step needs the federation clock
         for i, sink in enumerate(sc.tracking):
             if getattr(sink, "step", "round") == "sim_ms":
@@ -336,6 +337,31 @@ def consistency_problems(sc) -> list[tuple[str, str, Any]]:
     return out
 
 
+def privacy_attack_problems(sc, protocol) -> list[tuple[str, str, Any]]:
+    """What the scenario's privacy attacks need of the rest of it: rounds that run, clients that
+    exist, the model they rely on, and a protocol that shows the server what they read."""
+    out, fed = [], sc.federation
+    for i, spec in enumerate(sc.privacy_attacks):
+        entry, where = PRIVACY_ATTACKS.get(spec.name), f"privacy_attacks.{i}"
+        late = [r for r in spec.rounds if not 1 <= r <= fed.rounds]
+        if late:
+            out.append((f"{where}.rounds", f"rounds {late} never run (federation.rounds={fed.rounds})", spec.rounds))
+        unknown = [c for c in (getattr(spec, "clients", None) or []) if not 0 <= c < fed.num_clients]
+        if unknown:
+            out.append((f"{where}.clients", f"no such clients (federation.num_clients={fed.num_clients})", spec.clients))
+        if entry.traits.needs_model is not None and sc.model.name != entry.traits.needs_model:
+            out.append((where, f"{spec.name} reads the layer the malicious server's model "
+                        f"{entry.traits.needs_model!r} plants: set model.name={entry.traits.needs_model}", sc.model.name))
+        if not protocol.traits.update_pipeline or protocol.traits.opens_rounds:
+            why = ("its rounds end in no update batch" if not protocol.traits.update_pipeline else
+                   "its updates were trained from older global models than the one the server holds")
+            out.append((where, f"the round protocol {protocol.name} cannot be attacked this way: {why}", spec.name))
+        elif getattr(spec, "observe", None) == "upload" and not protocol.traits.individual_updates:
+            out.append((f"{where}.observe", f"under {protocol.name} the server never sees one client's upload, only "
+                        "sums: observe the aggregate", "upload"))
+    return out
+
+
 def build_scenario_model() -> type[BaseModel]:
     """The Scenario model, with component unions over everything registered now."""
 
@@ -344,6 +370,7 @@ def build_scenario_model() -> type[BaseModel]:
     Model, Aggregator = component(MODELS, "mlp"), component(AGGREGATORS, "fedavg", also=by_aggregator)
     Defense, Attack, Compressor = component(DEFENSES), component(ATTACKS), component(COMPRESSORS, "none")
     TrackingSink = component(TRACKING_SINKS)
+    PrivacyAttack = component(PRIVACY_ATTACKS)
 
     class DataSection(Section):
         dataset: Dataset = "digits"
@@ -377,6 +404,9 @@ def build_scenario_model() -> type[BaseModel]:
         systems: SystemsSection | None = Field(
             None, description="devices, networks, availability and a simulated clock; the round's policy on it "
             "(docs/clock.md)")
+        privacy_attacks: Annotated[list[PrivacyAttack], BeforeValidator(_one_or_many)] = Field(
+            default_factory=list, description="what a curious or malicious server recovers: gradient inversion on "
+            "uploads or aggregates, membership inference on the global model (docs/leakage.md)")
         tracking: Annotated[list[TrackingSink], AfterValidator(distinct_sinks)] = Field(
             default_factory=list, description="copy the run into tensorboard / mlflow / wandb as it runs (docs/tracking.md)")
 

@@ -1,7 +1,7 @@
 """The house has floors: no two rooms import each other, directly or round a loop (docs/architecture.md).
 
 A room is a folder of fedsim/ (fedsim/server/, ...), a top-level module of fedsim/ (fedsim/wire.py),
-a component folder (aggregators/, attacks/, defenses/) or benchmarks/. Imports inside functions
+a component folder (aggregators/, attacks/, defenses/, leakage/) or benchmarks/. Imports inside functions
 count too: a lazy import still ties two rooms. Imports made by text ("module:attribute" references
 in the registries, importlib) do not, by design: that is how a protocol's server and client parts
 stay out of the scenario's schema."""
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ALIASES = {"aggregators": "fedsim.aggregators", "attacks": "fedsim.attacks", "defenses": "fedsim.defenses"}
+ALIASES = {"aggregators": "fedsim.aggregators", "attacks": "fedsim.attacks", "defenses": "fedsim.defenses",
+           "leakage": "fedsim.leakage"}
 
 
 def module_of(path: str) -> str:
@@ -79,5 +80,6 @@ def test_no_two_rooms_import_each_other():
     except (OSError, subprocess.CalledProcessError) as err:
         pytest.skip(f"needs the git checkout to list the tracked files: {err}")
     files = {f: (REPO / f).read_text() for f in listed.split()
-             if f.startswith(("fedsim/", "aggregators/", "attacks/", "defenses/", "benchmarks/")) and (REPO / f).exists()}
+             if f.startswith(("fedsim/", "aggregators/", "attacks/", "defenses/", "leakage/", "benchmarks/"))
+             and (REPO / f).exists()}
     assert loops(room_imports(files)) == [], "rooms that import each other (an import runs back up a floor)"

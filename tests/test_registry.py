@@ -24,12 +24,15 @@ def test_every_registered_component_validates_in_a_scenario(kind):
     section = {
         "aggregator": "aggregator", "defense": "defenses", "attack": "attack", "compressor": "compression",
         "model": "model", "dataset": None, "partitioner": None, "tracking sink": "tracking", "protocol": None,
+        "privacy attack": "privacy_attacks",
     }[kind]
     for entry in ALL[kind].entries():
         assert issubclass(entry.params, Params)
         entry.params()  # defaults are valid
-        if section in ("defenses", "tracking"):
+        if section in ("defenses", "tracking", "privacy_attacks"):
             raw = {section: [entry.name]}
+            if kind == "privacy attack" and entry.traits.needs_model:  # the imprint attack reads its own model's layer
+                raw["model"] = entry.traits.needs_model
         elif kind == "protocol":  # named by the section it declares (the default protocol by none)
             raw = {}
             if entry.traits.chosen_by:  # a dotted path names a section inside a section (systems.round)

@@ -90,7 +90,24 @@ def run_row(run: Path, label: str | None = None) -> dict:
         "stragglers": sum(len(r.get("stragglers", [])) for r in rounds),
         **detection_columns(run_detection(rounds)),
         **lifecycle_columns(run),
+        **leakage_columns(rounds),
     }
+
+
+def leakage_columns(rounds: list[dict]) -> dict:
+    """With privacy attacks (fedsim/server/leakage.py): the strongest reconstruction (the highest mean
+    PSNR of one attacked update, with its SSIM and label accuracy) and the last membership AUC and
+    TPR at 1% FPR; None where the run has none."""
+    entries = [e for r in rounds for e in (r.get("privacy_attack") or [])]
+    inversions = [e for e in entries if e.get("psnr_mean") is not None]
+    games = [e for e in entries if e.get("auc") is not None]
+    best = max(inversions, key=lambda e: e["psnr_mean"], default=None)
+    return {"leakage": bool(entries),
+            "leak_psnr": None if best is None else best["psnr_mean"],
+            "leak_ssim": None if best is None else best.get("ssim_mean"),
+            "leak_labels": None if best is None else best.get("label_accuracy"),
+            "mia_auc": games[-1]["auc"] if games else None,
+            "mia_tpr": games[-1].get("tpr_at_1pct_fpr") if games else None}
 
 
 LIFECYCLE = ("rounds_to_implant", "lifespan", "half_life", "auc_after_attack")
@@ -199,6 +216,13 @@ LIFECYCLE_COLUMNS = (  # when a run has a backdoor lifecycle (fedsim/runs/lifecy
     ("half-life", lambda r: _rounds(r["half_life"])),
     ("backdoor AUC after attack %", _pct_of("auc_after_attack")),
 )
+LEAKAGE_COLUMNS = (  # when a run has privacy attacks
+    ("best PSNR dB", lambda r: "-" if r["leak_psnr"] is None else f"{r['leak_psnr']:.1f}"),
+    ("its SSIM", lambda r: "-" if r["leak_ssim"] is None else f"{r['leak_ssim']:.3f}"),
+    ("its labels %", _pct_of("leak_labels")),
+    ("MIA AUC", lambda r: "-" if r["mia_auc"] is None else f"{r['mia_auc']:.3f}"),
+    ("MIA TPR@1%FPR %", _pct_of("mia_tpr")),
+)
 CLOCK_COLUMNS = (  # when a run ran on the federation clock
     ("simulated s", lambda r: _sim(r["sim_time"])),
     ("stragglers", lambda r: str(r["stragglers"])),
@@ -207,12 +231,14 @@ CLOCK_COLUMNS = (  # when a run ran on the federation clock
 
 def runs_table(runs: list[Path], labels: dict[Path, str] | None = None) -> Table:
     """One row per run; runs of a sweep get a column per swept key; the backdoor lifecycle's
-    columns when a run has one, the federation clock's when a run ran on it."""
+    columns when a run has one, the federation clock's when a run ran on it, the leakage columns
+    when a run has privacy attacks."""
     labels = labels or {}
     keys = sorted({k for run in runs for k in swept_values(run)})
     rows = {run: run_row(run, labels.get(run)) for run in runs}
     columns = (RUN_COLUMNS + (LIFECYCLE_COLUMNS if any(r["lifecycle"] for r in rows.values()) else ())
-               + (CLOCK_COLUMNS if any(r["sim_time"] is not None for r in rows.values()) else ()))
+               + (CLOCK_COLUMNS if any(r["sim_time"] is not None for r in rows.values()) else ())
+               + (LEAKAGE_COLUMNS if any(r["leakage"] for r in rows.values()) else ()))
     cells = []
     for run in runs:
         r, swept = rows[run], swept_values(run)

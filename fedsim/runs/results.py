@@ -172,6 +172,45 @@ def edge_summary(scenario, rounds: list[dict]) -> dict | None:
     return out
 
 
+def leakage_summary(rounds: list[dict]) -> dict | None:
+    """With `privacy_attacks`: per attack and target, how many uploads/aggregates/games it attacked
+    and its strongest result (inversion: the highest mean PSNR of one attacked update, its SSIM and
+    label accuracy, the mean PSNR over all; membership: the last round's AUC and TPR at 1% FPR and
+    the highest AUC); seconds spent in all. None without privacy attacks."""
+    entries = [(r, e) for r in rounds for e in (r.get("privacy_attack") or [])]
+    if not entries:
+        return None
+    out: dict = {}
+    for r, e in entries:
+        key = f"{e['attack']}/{e['target']}"
+        out.setdefault(key, []).append(e)
+    seconds = {}
+    for r in rounds:
+        for k, v in (r.get("privacy_attack_seconds") or {}).items():
+            name = k.split("/")[0]
+            seconds[name] = seconds.get(name, 0.0) + v
+    summary = {}
+    for key, items in out.items():
+        if items[0]["target"] == "model":
+            best = max(items, key=lambda e: e.get("auc") or 0.0)
+            summary[key] = {"games": len(items), "final_auc": items[-1].get("auc"),
+                            "final_tpr_at_1pct_fpr": items[-1].get("tpr_at_1pct_fpr"), "best_auc": best.get("auc"),
+                            "best_round": best["round"]}
+            continue
+        scored = [e for e in items if e.get("psnr_mean") is not None]
+        best = max(scored, key=lambda e: e["psnr_mean"], default=None)
+        summary[key] = {"attacked": len(items),
+                        "mean_psnr": sum(e["psnr_mean"] for e in scored) / len(scored) if scored else None,
+                        "best_psnr": None if best is None else best["psnr_mean"],
+                        "best_ssim": None if best is None else best.get("ssim_mean"),
+                        "best_label_accuracy": None if best is None else best.get("label_accuracy"),
+                        "best_round": None if best is None else best["round"],
+                        "best_clients": None if best is None else best.get("clients")}
+    for key in summary:
+        summary[key]["seconds"] = seconds.get(key.split("/")[0])
+    return summary
+
+
 def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
     def series(key):  # training rounds only: round 0 is the initial (possibly pre-trained) model
         return [(r["round"], r[key]) for r in rounds if r.get(key) is not None and r["round"] > 0]
@@ -179,8 +218,9 @@ def summarize(scenario, rounds: list[dict], extra: dict) -> dict:
     acc, bd = series("main_accuracy"), series("backdoor_success")
     optional = {k: v for k, v in (("privacy", central_privacy(rounds)), ("local_privacy", local_privacy(scenario, rounds)),
                                   ("federation_time", federation_time(scenario, rounds)),
-                                  ("edge_model", edge_summary(scenario, rounds)))
-                if v is not None}  # present only with differential privacy, on the federation clock, with edge copies
+                                  ("edge_model", edge_summary(scenario, rounds)), ("leakage", leakage_summary(rounds)))
+                if v is not None}  # present only with differential privacy, on the federation clock, with edge copies,
+    # with privacy attacks
     return _clean(
         {
             "name": scenario.name,

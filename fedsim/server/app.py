@@ -64,7 +64,7 @@ def drive_server(grid: Grid, scenario, run_dir: Path | RunFolder, progress=None,
 
     strategy = ScenarioStrategy(rt, on_round=on_round, checkpoint_to=run_dir if checkpoints else None,
                                         options=options, node_map=node_map, defer_last_round=defer_last_evaluation,
-                                        real_clock=real_clock)
+                                        real_clock=real_clock, run_folder=run_dir)
     done = prepare_resume(run_dir, strategy, scenario) if checkpoints else 0
     if done < fed.rounds:
         strategy.discover_nodes(grid, timeout=fed.round_timeout)

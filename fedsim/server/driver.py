@@ -32,6 +32,7 @@ from fedsim.runs.detection import round_detection
 from fedsim.scenario import scenario_fingerprint
 from fedsim.seeding import SAMPLE, SERVER, numpy_rng, torch_generator
 from fedsim.server.evaluation import CentralEvaluator
+from fedsim.server.leakage import PrivacyProbe
 from fedsim.server.optimizer import ServerOptimizer
 from fedsim.server.pipeline import RoundPipeline
 from fedsim.server.record import UNSET, RoundRecord
@@ -88,7 +89,7 @@ class RoundDriver:
     step, checkpoints and resume: the parts of a round every protocol shares."""
 
     def __init__(self, runtime, checkpoint_to=None, largest_first: bool = True, update_pipeline: bool = True,
-                 real_clock: bool = False) -> None:
+                 real_clock: bool = False, run_folder=None) -> None:
         self.rt, self.scenario = runtime, runtime.scenario
         if self.scenario.deterministic:  # process-wide, before the server's first CUDA use (docs/gpu.md)
             deterministic_switches_on()
@@ -102,6 +103,8 @@ class RoundDriver:
         self.model = SwitchingModel(runtime)
         self.tools = ServerTools(runtime, self.model.lowrank.model)  # the server's own data and training (FLTrust)
         self.evaluator = CentralEvaluator(runtime, reference=self.model.module())  # the clean initial model
+        # the scenario's privacy attacks, on what the server saw (their image grids in `run_folder`/privacy)
+        self.privacy = PrivacyProbe(runtime, run_folder, self.device) if self.scenario.privacy_attacks else None
         self.pending = RoundRecord(0)  # this round's facts, written when the round closes
         self.plan: RoundPlan | None = None
         self.started = time.perf_counter()  # when this round opened
@@ -274,6 +277,8 @@ class RoundDriver:
         if audit:
             record.detection = round_detection(list(batch.client_ids), strikers, outcome.aggregated, outcome.aggregator,
                                                outcome.defenses, outcome.weights)
+        if self.privacy is not None:
+            self.probe_privacy(batch, strikers, audit, outcome)
         if outcome.skipped is not None:
             record.skipped = outcome.skipped
             return False
@@ -287,9 +292,35 @@ class RoundDriver:
             record.lowrank = switch
             self.pipeline.previous_aggregate = None
         record.model_params = self.layout.dim
+        if self.privacy is not None:
+            attackers = set(self.rt.attackers)  # the members are honest clients' examples, sampled in some round so far
+            trained = {p for r in range(1, record.round + 1) for p in self.sample(r)[0] if p not in attackers}
+            self.add_privacy(*self.privacy.after_step(record.round, self.global_model(), sorted(trained)))
         if record.start_loss is not UNSET and record.start_loss is not None:
             self.last_start_loss = record.start_loss
         return True
+
+    def probe_privacy(self, batch: UpdateBatch, strikers: set[int], individual: bool, outcome) -> None:
+        """The scenario's inversion attacks on this round's decoded uploads and its aggregate,
+        before the global model steps (the model the clients trained from is still the global one)."""
+        record = self.pending
+        if individual:
+            contributors = list(outcome.aggregated)
+        else:  # secure rows are group sums: whose data is in them is the protocol's record
+            contributors = list((record.secure_aggregation or {}).get("summed", [])) \
+                if record.secure_aggregation is not UNSET else list(outcome.aggregated)
+        examples = sum((outcome.weights or {}).values())
+        self.add_privacy(*self.privacy.after_pipeline(
+            record.round, batch, strikers | set(record.attackers), individual, self.global_model, self.layout,
+            self.global_vec, outcome.aggregate, contributors, examples))
+
+    def add_privacy(self, lines: list[dict], seconds: dict) -> None:
+        if not lines:
+            return
+        record = self.pending
+        record.privacy_attack = [*(record.privacy_attack if record.privacy_attack is not UNSET else []), *lines]
+        record.privacy_attack_seconds = {**(record.privacy_attack_seconds if record.privacy_attack_seconds is not UNSET
+                                            else {}), **seconds}
 
     # --- what survives a restart -----------------------------------------------------------------
     def checkpoint(self, rnd: int) -> None:

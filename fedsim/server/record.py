@@ -13,6 +13,7 @@ Which fields a line has:
   reached the defenses and rule, `detection`, and, when it was aggregated (`skipped` is null),
   `aggregated`, `global_norm` and `model_params`;
 - with `evaluation.edge_model`, on evaluated rounds, `edge_model`; with a certifying defense (CRFL), on its rounds, `certification`; with `federation.local_dp`, `local_privacy`;
+  with `privacy_attacks`, in their rounds, `privacy_attack` and `privacy_attack_seconds`;
 - with a server-side attack in a round it crafted updates, `attack`; with a group rule (DETOX) `groups`, with a rule that reports its choice (Krum, Multi-Krum,
   DETOX) `aggregator`, with a low-rank switch in this round `lowrank`, with FedMA its four fields; under secure aggregation `secure_aggregation` and `secure_aggregation_seconds`;
 - on the federation clock (`systems:`, docs/clock.md), on trained rounds: `sim_start`, `sim_seconds`, `sim_time`,
@@ -105,6 +106,11 @@ class RoundRecord:
     #   main_loss, backdoor_success (+ _beyond_clean, source_class_accuracy when the fp32 line has them) and agreement
     #   (share of test inputs where it predicts the fp32 model's class) (fedsim/models/edge_copy.py, docs/edge_model.md)
     certification: dict | _Unset = UNSET  # certifying defenses (CRFL) on their rounds: name -> certified accuracy, radii, ...
+    privacy_attack: list | _Unset = UNSET  # with `privacy_attacks`, in their rounds: one entry per attacked upload, aggregate
+    #   or membership game: attack, round, target (upload / aggregate / model), clients, images, psnr_mean, psnr_max,
+    #   ssim_mean, label_accuracy, grid (a PNG in the run folder), info; membership: auc, tpr_at_1pct_fpr, ...
+    #   (fedsim/server/leakage.py, docs/leakage.md)
+    privacy_attack_seconds: dict | _Unset = UNSET  # with `privacy_attacks`: seconds each attack took this round (its cost)
     wall_seconds: float | _Unset = UNSET  # seconds since the previous line (its own start for round 1): they add up
 
     def update(self, values: dict) -> None:
@@ -122,7 +128,7 @@ class RoundRecord:
 _NAMES = frozenset(f.name for f in fields(RoundRecord))
 # Wall-clock fields: they differ from run to run; everything else in a line is reproducible.
 TIME_FIELDS = frozenset({"wall_seconds", "match_seconds", "pipeline_seconds", "attacker_train_seconds",
-                         "secure_aggregation_seconds"})
+                         "secure_aggregation_seconds", "privacy_attack_seconds"})
 
 
 def without_times(lines: list[dict]) -> list[dict]:

@@ -32,12 +32,13 @@ class ScenarioStrategy(Strategy):
     def __init__(
         self, runtime, on_round: Callable[[dict], None] | None = None, checkpoint_to: RunFolder | None = None,
         options: EngineOptions = EngineOptions(), node_map: Callable | None = None, defer_last_round: bool = False,
-        real_clock: bool = False,
+        real_clock: bool = False, run_folder: RunFolder | None = None,
     ) -> None:
         self.scenario = runtime.scenario
         self.protocol = protocol_for(self.scenario)  # the registered round protocol: its exchange does the messages
         self.driver = RoundDriver(runtime, checkpoint_to, largest_first=options.largest_first,
-                                  update_pipeline=self.protocol.traits.update_pipeline, real_clock=real_clock)
+                                  update_pipeline=self.protocol.traits.update_pipeline, real_clock=real_clock,
+                                  run_folder=run_folder)
         self.node_of = NodeDirectory()  # partition id -> node id (filled by discover_nodes)
         self.exchange = self.protocol.load("exchange")(self.driver, self.node_of)
         self.closer = RoundCloser(self.driver, on_round, options.overlap_evaluation, defer_last_round)
