@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedsim.runs.results import read_rounds
+from fedsim.runs.results import central_privacy, read_rounds
 from fedsim.runs.seeds import Spread, seed_groups, without_seed
 from fedsim.runs.detection import run_detection
 
@@ -95,14 +95,23 @@ def run_row(run: Path, label: str | None = None) -> dict:
 
 
 def leakage_columns(rounds: list[dict]) -> dict:
-    """With privacy attacks (fedsim/server/leakage.py): the strongest reconstruction (the highest mean
-    PSNR of one attacked update, with its SSIM and label accuracy) and the last membership AUC and
-    TPR at 1% FPR; None where the run has none."""
+    """With privacy attacks (fedsim/server/leakage.py): the mean PSNR of the attacked uploads and of
+    the attacked aggregates, the strongest reconstruction (the highest mean PSNR of one attacked
+    update, with its SSIM and label accuracy), and the last membership AUC and TPR at 1% FPR; None
+    where the run has none."""
     entries = [e for r in rounds for e in (r.get("privacy_attack") or [])]
     inversions = [e for e in entries if e.get("psnr_mean") is not None]
     games = [e for e in entries if e.get("auc") is not None]
     best = max(inversions, key=lambda e: e["psnr_mean"], default=None)
-    return {"leakage": bool(entries),
+
+    def mean_psnr(target):
+        values = [e["psnr_mean"] for e in inversions if e["target"] == target]
+        return sum(values) / len(values) if values else None
+
+    local, central = _last(rounds, "local_privacy"), central_privacy(rounds)
+    dp = local if local is not None else central  # the ε a scenario with DP quotes (null: no noise, ε = ∞)
+    return {"leakage": bool(entries), "epsilon": None if dp is None else (dp.get("epsilon"), "local" if local else "central"),
+            "leak_upload_psnr": mean_psnr("upload"), "leak_aggregate_psnr": mean_psnr("aggregate"),
             "leak_psnr": None if best is None else best["psnr_mean"],
             "leak_ssim": None if best is None else best.get("ssim_mean"),
             "leak_labels": None if best is None else best.get("label_accuracy"),
@@ -216,8 +225,22 @@ LIFECYCLE_COLUMNS = (  # when a run has a backdoor lifecycle (fedsim/runs/lifecy
     ("half-life", lambda r: _rounds(r["half_life"])),
     ("backdoor AUC after attack %", _pct_of("auc_after_attack")),
 )
+def _db(key: str):
+    return lambda row: "-" if row[key] is None else f"{row[key]:.1f}"
+
+
+def _epsilon(row) -> str:
+    if row["epsilon"] is None:
+        return "-"
+    eps, kind = row["epsilon"]
+    return f"∞ ({kind})" if eps is None else f"{eps:.3g} ({kind})"
+
+
 LEAKAGE_COLUMNS = (  # when a run has privacy attacks
-    ("best PSNR dB", lambda r: "-" if r["leak_psnr"] is None else f"{r['leak_psnr']:.1f}"),
+    ("ε", _epsilon),
+    ("uploads PSNR dB", _db("leak_upload_psnr")),
+    ("aggregate PSNR dB", _db("leak_aggregate_psnr")),
+    ("best PSNR dB", _db("leak_psnr")),
     ("its SSIM", lambda r: "-" if r["leak_ssim"] is None else f"{r['leak_ssim']:.3f}"),
     ("its labels %", _pct_of("leak_labels")),
     ("MIA AUC", lambda r: "-" if r["mia_auc"] is None else f"{r['mia_auc']:.3f}"),

@@ -95,9 +95,12 @@ class PrivacyProbe:
                                             float(batch.weights[row]), [pid], index)
                     lines.append(self._invert(spec, attack, obs, seconds))
             elif aggregate is not None and contributors:
+                # the aggregate is the weighted mean of per-client updates: each client took its own
+                # steps on about examples/len(contributors) examples; all of them are to be recovered
                 honest = [c for c in contributors if c not in strikers]
                 obs = self._observation(rnd, "aggregate", model_fn(), layout, weights, aggregate.detach().cpu(),
-                                        examples, sorted(contributors), index)
+                                        max(1, round(examples / len(contributors))), sorted(contributors), index)
+                obs.images = int(examples)
                 lines.append(self._invert(spec, attack, obs, seconds, truth_clients=honest))
         return lines, seconds
 
