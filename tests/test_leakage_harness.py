@@ -92,3 +92,33 @@ def test_unknown_privacy_attack_lists_the_allowed_ones():
     with pytest.raises(ScenarioError) as err:
         quick_scenario(privacy_attacks=[{"name": "dlg2"}])
     assert "imprint" in str(err.value) and "loss_threshold" in str(err.value)
+
+
+def test_summary_and_report_columns_by_hand():
+    """leakage_summary and the report's columns on constructed round lines."""
+    from fedsim.runs.report import leakage_columns
+    from fedsim.runs.results import leakage_summary
+
+    up = lambda c, p: {"attack": "inverting_gradients", "round": 1, "target": "upload", "clients": [c],  # noqa: E731
+                       "psnr_mean": p, "ssim_mean": p / 100, "label_accuracy": 1.0}
+    rounds = [
+        {"round": 1, "privacy_attack": [up(3, 20.0), up(5, 30.0),
+                                        {"attack": "inverting_gradients", "round": 1, "target": "aggregate",
+                                         "clients": [3, 5], "psnr_mean": 12.0, "ssim_mean": 0.1, "label_accuracy": 0.5}],
+         "privacy_attack_seconds": {"inverting_gradients/upload/3": 1.0, "inverting_gradients/upload/5": 2.0,
+                                    "inverting_gradients/aggregate/sum": 0.5},
+         "local_privacy": {"epsilon": 4.0, "delta": 1e-3}},
+        {"round": 2, "privacy_attack": [{"attack": "loss_threshold", "round": 2, "target": "model", "auc": 0.61,
+                                         "tpr_at_1pct_fpr": 0.02}],
+         "privacy_attack_seconds": {"loss_threshold": 0.25}, "local_privacy": {"epsilon": 5.0, "delta": 1e-3}},
+    ]
+    summary = leakage_summary(rounds)
+    assert summary["inverting_gradients/upload"] == {
+        "attacked": 2, "mean_psnr": 25.0, "best_psnr": 30.0, "best_ssim": 0.3, "best_label_accuracy": 1.0,
+        "best_round": 1, "best_clients": [5], "seconds": 3.5}
+    assert summary["inverting_gradients/aggregate"]["best_psnr"] == 12.0
+    assert summary["loss_threshold/model"]["final_auc"] == 0.61 and summary["loss_threshold/model"]["seconds"] == 0.25
+    cols = leakage_columns(rounds)
+    assert cols["leak_upload_psnr"] == 25.0 and cols["leak_aggregate_psnr"] == 12.0 and cols["leak_psnr"] == 30.0
+    assert cols["mia_auc"] == 0.61 and cols["epsilon"] == (5.0, "local")
+    assert leakage_summary([{"round": 1}]) is None and leakage_columns([{"round": 1}])["leakage"] is False
