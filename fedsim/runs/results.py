@@ -184,11 +184,12 @@ def leakage_summary(rounds: list[dict]) -> dict | None:
     for r, e in entries:
         key = f"{e['attack']}/{e['target']}"
         out.setdefault(key, []).append(e)
-    seconds = {}
+    seconds = {}  # per attack and target: the keys are attack/target/client (inversion) or attack (membership)
     for r in rounds:
         for k, v in (r.get("privacy_attack_seconds") or {}).items():
-            name = k.split("/")[0]
-            seconds[name] = seconds.get(name, 0.0) + v
+            parts = k.split("/")
+            key = "/".join(parts[:2]) if len(parts) > 1 else f"{parts[0]}/model"
+            seconds[key] = seconds.get(key, 0.0) + v
     summary = {}
     for key, items in out.items():
         if items[0]["target"] == "model":
@@ -207,7 +208,7 @@ def leakage_summary(rounds: list[dict]) -> dict | None:
                         "best_round": None if best is None else best["round"],
                         "best_clients": None if best is None else best.get("clients")}
     for key in summary:
-        summary[key]["seconds"] = seconds.get(key.split("/")[0])
+        summary[key]["seconds"] = seconds.get(key)
     return summary
 
 
