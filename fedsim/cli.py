@@ -789,7 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
     lst = sub.add_parser("list", help="list registered components and their parameters")
     lst.add_argument("kind", nargs="?", default=None,
                      help="aggregators, attacks, defenses, compressors, datasets, models, partitioners, protocols, "
-                          "tracking_sinks, schedules, edge_sets, lowrank or scenarios (singular works too); default: all")
+                          "tracking_sinks, privacy_attacks, schedules, edge_sets, lowrank or scenarios (singular works too); default: all")
     lst.add_argument("--where", action="store_true", help="add a column: the file(s) each component's code is in")
     lst.add_argument("--markdown", action="store_true", help="print the README's component table")
     lst.add_argument("--write-readme", type=Path, default=None, metavar="README",

@@ -77,7 +77,7 @@ def test_every_package_of_the_tree_is_installed():
     repo = Path(__file__).resolve().parents[1]
     listed = set(tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(repo).parts) for p in (repo / "fedsim").rglob("__init__.py")}
-    found |= {f"fedsim.{d}" for d in ("aggregators", "attacks", "defenses", "scenarios")}
+    found |= {f"fedsim.{d}" for d in ("aggregators", "attacks", "defenses", "leakage", "scenarios")}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
 
