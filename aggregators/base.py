@@ -61,15 +61,10 @@ def parse_nested_rule(value: Any, default: str, allowed: list[str], why_not: Cal
     """A nested rule spec (DETOX's or a wrapper's `inner`) validated against the registry: `name`
     plus that rule's parameters. A bare name is shorthand for `{name: ...}`, a mapping without
     `name` means `default`; a name outside `allowed` is refused with `why_not(name)`."""
-    from pydantic import BaseModel
+    from fedsim.registry import nested_mapping
 
-    if isinstance(value, BaseModel):
-        value = value.model_dump()
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"inner must be a rule name or a mapping with `name`, got {value!r}")
-    name = value.get("name", default)
+    value = nested_mapping(dict(value) if isinstance(value, Mapping) else value, "inner", "rule", default)
+    name = value["name"]
     if not isinstance(name, str):
         raise ValueError(f"inner.name must be a rule name, got {type(name).__name__} {name!r}; allowed: {', '.join(allowed)}")
     if name not in allowed:

@@ -41,6 +41,19 @@ class Params(BaseModel):
         return None
 
 
+def nested_mapping(value: Any, field: str, what: str, default: str) -> dict:
+    """A nested component spec as a mapping with `name` (a rule's `inner`, the imprint model's
+    `body`): a validated spec is dumped, a bare name is shorthand for `{name: ...}`, a mapping
+    without `name` means `default`; anything else is refused naming `field` and `what` it takes."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump()
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} must be a {what} name or a mapping with `name`, got {value!r}")
+    return {**value, "name": value.get("name", default)}
+
+
 def _never(spec) -> bool:
     return False
 

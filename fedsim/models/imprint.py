@@ -78,7 +78,7 @@ from pydantic import BaseModel, BeforeValidator, Field, SerializeAsAny
 from torch import nn
 
 from fedsim.models import nets
-from fedsim.registry import MODELS, Params
+from fedsim.registry import MODELS, Params, nested_mapping
 
 LOWEST_EDGE = -10.0  # the official first bin edge: row 0 is active for every input (Φ(−10) ≈ 0)
 
@@ -86,13 +86,8 @@ LOWEST_EDGE = -10.0  # the official first bin edge: row 0 is active for every in
 def parse_body(value: Any) -> BaseModel:
     """The body model's spec, validated against the model registry: `name` plus that model's own
     fields. A bare name is shorthand for `{name: ...}`; a mapping without `name` means mlp."""
-    if isinstance(value, BaseModel):
-        value = value.model_dump()
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, dict):
-        raise ValueError(f"body must be a model name or a mapping with `name`, got {value!r}")
-    name = value.get("name", "mlp")
+    value = nested_mapping(value, "body", "model", "mlp")
+    name = value["name"]
     allowed = [n for n in MODELS.names() if n != "imprint"]
     if name not in allowed:
         why = "the imprint block wraps one ordinary model" if name == "imprint" else f"unknown model {name!r}"
