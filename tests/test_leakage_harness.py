@@ -123,3 +123,13 @@ def test_summary_and_report_columns_by_hand():
     assert cols["leak_upload_psnr"] == 25.0 and cols["leak_aggregate_psnr"] == 12.0 and cols["leak_psnr"] == 30.0
     assert cols["mia_auc"] == 0.61 and cols["epsilon"] == (5.0, "local")
     assert leakage_summary([{"round": 1}]) is None and leakage_columns([{"round": 1}])["leakage"] is False
+
+
+def test_a_deployment_refuses_privacy_attacks():
+    """On real devices the server has no clients' data to score a reconstruction against."""
+    from fedsim.deploy.run_config import deployable
+
+    with pytest.raises(ScenarioError) as err:
+        deployable(quick_scenario(privacy_attacks=[{"name": "loss_threshold"}]), "x.yaml")
+    assert "privacy_attacks" in str(err.value) and "only a simulation" in str(err.value)
+    assert deployable(quick_scenario(), "x.yaml") is not None

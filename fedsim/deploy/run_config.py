@@ -67,12 +67,19 @@ def scenario_path(value: str) -> Path:
 def deployable(scenario, source: str):
     """The scenario, if it can run on real devices; else ScenarioError naming the field.
 
+    Privacy attacks are refused: the server's probe scores what it recovers against the clients'
+    true data, which a deployment's server does not have.
+
     The federation clock (`systems:`) simulates devices, networks and time; on real devices the
     clock is the real one, so the section is refused rather than half applied (its deadline and
     over-selection would have to be Flower's own round timeout and sampling: use
     federation.round_timeout for a reporting deadline there). One use of it runs on real devices:
     `systems.round` choosing an asynchronous protocol (fedasync, fedbuff), with nothing else in the
     section; its steps then follow the replies as they really come (fedsim/server/live.py)."""
+    if scenario.privacy_attacks:  # they score what they recover against the clients' true data
+        raise ScenarioError(source, [("privacy_attacks", "score reconstructions against the clients' own data, which "
+                                      "only a simulation holds: drop privacy_attacks for a deployment (docs/leakage.md)",
+                                      [a.name for a in scenario.privacy_attacks])])
     systems = scenario.systems
     if systems is None:
         return scenario
