@@ -95,11 +95,6 @@ class Observation:
     clients: tuple[int, ...] = ()  # whose data produced the update (one for an upload)
     images: int | None = None  # how many inputs to reconstruct (None: the attack's own rule, from `training`)
 
-    def params(self, vec: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The model's state as a dict of tensors (for torch.func.functional_call) at `vec`
-        (default: the broadcast weights)."""
-        return self.layout.unflatten(self.weights if vec is None else vec)
-
 
 @dataclass
 class Reconstruction:

@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedsim.leakage.base import InversionParams, Observation, Reconstruction
+from fedsim.leakage.base import InversionParams, Observation, Reconstruction, functional_forward
 from fedsim.registry import PRIVACY_ATTACKS
 
 
@@ -162,7 +162,7 @@ class GradientOf:
         self.w = obs.weights.detach().float().clone().requires_grad_(True)
 
     def __call__(self, x: torch.Tensor, labels: torch.Tensor, soft: bool, create_graph: bool = True) -> torch.Tensor:
-        out = torch.func.functional_call(self.obs.model, self.obs.layout.unflatten(self.w), (x,))
+        out = functional_forward(self.obs, self.w, x)
         loss = soft_cross_entropy(out, labels) if soft else F.cross_entropy(out, labels)
         (g,) = torch.autograd.grad(loss, self.w, create_graph=create_graph)
         return g[self.mask]

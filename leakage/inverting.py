@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from fedsim.leakage.base import InversionParams, Observation, Reconstruction
+from fedsim.leakage.base import InversionParams, Observation, Reconstruction, functional_forward
 from fedsim.leakage.dlg import (GradientOf, check_observation, draw, images_to_reconstruct, infer_labels,
                                 observed_gradient, trainable_mask)
 from fedsim.registry import PRIVACY_ATTACKS
@@ -128,7 +128,7 @@ class LocalSteps:
         for step in range(self.steps):
             b = step % batches
             xb, yb = x[b * self.batch:(b + 1) * self.batch], labels[b * self.batch:(b + 1) * self.batch]
-            out = torch.func.functional_call(self.obs.model, self.obs.layout.unflatten(w), (xb,))
+            out = functional_forward(self.obs, w, xb)
             (g,) = torch.autograd.grad(F.cross_entropy(out, yb), w, create_graph=True)
             g = g * mask  # buffers are not trained
             if self.decay:
