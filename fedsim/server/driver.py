@@ -293,9 +293,7 @@ class RoundDriver:
             self.pipeline.previous_aggregate = None
         record.model_params = self.layout.dim
         if self.privacy is not None:
-            attackers = set(self.rt.attackers)  # the members are honest clients' examples, sampled in some round so far
-            trained = {p for r in range(1, record.round + 1) for p in self.sample(r)[0] if p not in attackers}
-            self.add_privacy(*self.privacy.after_step(record.round, self.global_model(), sorted(trained)))
+            self.add_privacy(*self.privacy.after_step(record.round, self.global_model, self.trained_honest))
         if record.start_loss is not UNSET and record.start_loss is not None:
             self.last_start_loss = record.start_loss
         return True
@@ -313,6 +311,12 @@ class RoundDriver:
         self.add_privacy(*self.privacy.after_pipeline(
             record.round, batch, strikers | set(record.attackers), individual, self.global_model, self.layout,
             self.global_vec, outcome.aggregate, contributors, examples))
+
+    def trained_honest(self, rnd: int) -> list[int]:
+        """The honest clients sampled in some round up to `rnd` (sampling is seeded per round): whose
+        examples a membership game counts as members."""
+        attackers = set(self.rt.attackers)
+        return sorted({p for r in range(1, rnd + 1) for p in self.sample(r)[0] if p not in attackers})
 
     def add_privacy(self, lines: list[dict], seconds: dict) -> None:
         if not lines:

@@ -104,15 +104,16 @@ class PrivacyProbe:
                 lines.append(self._invert(spec, attack, obs, seconds, truth_clients=honest))
         return lines, seconds
 
-    def after_step(self, rnd: int, model: torch.nn.Module, trained: list[int]) -> tuple[list[dict], dict]:
-        """Membership inference of round `rnd` against the new global model; `trained`: the honest
-        clients whose data some round so far was trained on (the members are theirs)."""
+    def after_step(self, rnd: int, model_fn, trained_fn) -> tuple[list[dict], dict]:
+        """Membership inference of round `rnd` against the new global model (`model_fn()`);
+        `trained_fn(rnd)`: the honest clients whose data some round so far was trained on (the
+        members are theirs). Both are asked for only when an attack runs this round."""
         lines, seconds = [], {}
         for index, ((spec, entry), attack) in enumerate(zip(self.attacks, self.instances)):
             if entry.traits.kind != "membership" or rnd not in spec.rounds:
                 continue
             started = time.perf_counter()
-            query, is_member = self.membership_game(rnd, index, model, trained)
+            query, is_member = self.membership_game(rnd, index, model_fn(), trained_fn(rnd))
             scores = attack.scores(query).detach().cpu()
             from fedsim.leakage.membership import membership_metrics
 
