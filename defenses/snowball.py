@@ -142,6 +142,9 @@ def bottom_up(layers: list[np.ndarray], ct: int, n_select: int) -> tuple[list[in
 # ------------------------------------------------------------------------------ top-down election
 
 
+DECODE_CHUNK = 512  # latent rows decoded at once (bounds the [rows, d] output in memory)
+
+
 class VAE(nn.Module):
     def __init__(self, dim: int, latent: int, hidden: int) -> None:
         super().__init__()
@@ -174,7 +177,7 @@ def pair_differences(rows: torch.Tensor) -> torch.Tensor:
 def train_vae(vae: VAE, data: torch.Tensor, epochs: int) -> None:
     """Adam (lr 1e-3), batches of 8 in a fresh random order each epoch, on sigmoid(data)."""
     x = torch.sigmoid(data)
-    opt = torch.optim.Adam(vae.parameters())
+    opt = torch.optim.Adam(vae.parameters(), fused=True)  # one kernel over all parameters: ~9x the default step on CPU
     vae.train()
     for _ in range(epochs):
         for idx in torch.randperm(len(x)).split(8):
@@ -189,23 +192,44 @@ def train_vae(vae: VAE, data: torch.Tensor, epochs: int) -> None:
 @torch.no_grad()
 def reconstruction_errors(vae: VAE, selected: torch.Tensor, candidates: torch.Tensor, samples: int) -> torch.Tensor:
     """[r]: for each candidate row, the mean over the selectees' ±(Δ_a − Δ_r) (zero differences
-    skipped) of the squared reconstruction error of sigmoid(dif), averaged over `samples` latent draws."""
+    skipped) of the squared reconstruction error of sigmoid(dif), averaged over `samples` latent draws.
+
+    The latent draws are taken candidate by candidate, sample by sample (the official loop's order);
+    the decoding of all of them is batched, so the decoder's large output layer is read once per
+    chunk of rows instead of once per candidate and draw."""
     vae.eval()
-    out = []
-    for r in candidates:
+    xs, owner = [], []
+    for k, r in enumerate(candidates):
         dif = selected - r[None, :]
         dif = dif[dif.sum(dim=1) != 0]
-        if len(dif) == 0:
-            out.append(torch.tensor(0.0))
-            continue
-        x = torch.sigmoid(torch.cat([dif, -dif]))
-        mu, logvar = vae.encode(x)
-        err = torch.zeros(len(x))
+        if len(dif):
+            xs.append(torch.sigmoid(torch.cat([dif, -dif])))
+            owner.append(k)
+    err = torch.zeros(len(candidates))
+    if not xs:
+        return err
+    mu, logvar = vae.encode(torch.cat(xs))
+    std = torch.exp(0.5 * logvar)
+    z, target, row_of = [], [], []
+    start = 0
+    for k, x in zip(owner, xs):
+        rows = slice(start, start + len(x))
         for _ in range(samples):
-            z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
-            err += (vae.dec(z) - x).square().sum(dim=1)
-        out.append((err / samples).mean())
-    return torch.stack(out)
+            z.append(mu[rows] + torch.randn_like(mu[rows]) * std[rows])
+            row_of.append(torch.arange(rows.start, rows.stop))
+        start += len(x)
+    z, row_of = torch.cat(z), torch.cat(row_of)
+    x_all = torch.cat(xs)
+    sq = torch.empty(len(z))
+    for s in range(0, len(z), DECODE_CHUNK):
+        part = slice(s, s + DECODE_CHUNK)
+        sq[part] = (vae.dec(z[part]) - x_all[row_of[part]]).square().sum(dim=1)
+    per_row = torch.zeros(len(x_all)).index_add_(0, row_of, sq) / samples
+    start = 0
+    for k, x in zip(owner, xs):
+        err[k] = per_row[start:start + len(x)].mean()
+        start += len(x)
+    return err
 
 
 def top_down(flat: torch.Tensor, selected: list[int], p: SnowballParams) -> tuple[list[int], list[list[int]]]:

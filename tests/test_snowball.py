@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import quick_scenario, round_context, run_local
-from fedsim.defenses.snowball import Snowball, SnowballParams, layer_votes, pair_differences, voter_clusters
+from fedsim.defenses.snowball import (VAE, Snowball, SnowballParams, layer_votes, pair_differences, reconstruction_errors,
+                                      voter_clusters)
 from fedsim.models.layout import ModelLayout
 from fedsim.registry import DEFENSES
 from fedsim.updates import UpdateBatch
@@ -61,6 +62,42 @@ def test_pair_differences_are_all_ordered_pairs():
     rows = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]])
     got = {tuple(r) for r in pair_differences(rows).tolist()}
     assert got == {tuple((rows[a] - rows[b]).tolist()) for a in range(3) for b in range(3) if a != b}
+
+
+def test_batched_reconstruction_errors_match_the_official_per_candidate_loop():
+    """The batched decoding draws the same latent samples in the official order (candidate by
+    candidate, sample by sample) and averages the same errors; a candidate equal to every selectee
+    (no non-zero difference) scores 0."""
+    torch.manual_seed(0)
+    vae = VAE(40, 4, 16)
+    selected, candidates = torch.randn(3, 40), torch.randn(5, 40)
+    candidates[1] = selected[0]
+    lone = torch.randn(1, 40)
+
+    def official(sel, cands, samples):
+        out = []
+        for r in cands:
+            dif = sel - r[None, :]
+            dif = dif[dif.sum(dim=1) != 0]
+            if len(dif) == 0:
+                out.append(torch.tensor(0.0))
+                continue
+            x = torch.sigmoid(torch.cat([dif, -dif]))
+            mu, logvar = vae.encode(x)
+            err = torch.zeros(len(x))
+            for _ in range(samples):
+                err += (vae.dec(mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)) - x).square().sum(dim=1)
+            out.append((err / samples).mean())
+        return torch.stack(out)
+
+    for sel, cands in ((selected, candidates), (lone, lone)):
+        torch.manual_seed(7)
+        got = reconstruction_errors(vae, sel, cands, samples=6)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            want = official(sel, cands, 6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert reconstruction_errors(vae, lone, lone, samples=2).tolist() == [0.0]
 
 
 def backdoor_round(seed: int = 0):
