@@ -156,10 +156,19 @@ def test_digits_run_and_listed(tmp_path, capsys):
     attack = TAIL_ATTACK
     scenario = quick_scenario(attack=attack, defenses=[{"name": "flip", "warmup_steps": 20, "steps": 10,
                                                         "confidence_threshold": 0.2}])
-    rounds = run_local(scenario, tmp_path).rounds
+    run = run_local(scenario, tmp_path)
+    rounds = run.rounds
     assert [r["round"] for r in rounds] == [1, 2]
     for r in rounds:
         assert r["skipped"] is None and sorted(r["aggregated"]) == sorted(r["sampled"])  # honest replies arrived
         assert 0.0 <= r["main_accuracy"] <= 1.0 and r["defenses"]["flip"] == {}
+        # what the deployed model refused to answer is recorded; a refused input is never correct
+        assert set(r["inputs_rejected"]) == {"main", "backdoor"} and 0.0 <= r["inputs_rejected"]["main"] <= 1.0
+        assert r["main_accuracy"] <= 1.0 - r["inputs_rejected"]["main"] + 1e-12
+        assert r["backdoor_success"] <= 1.0 - r["inputs_rejected"]["backdoor"] + 1e-12
+    from fedsim.runs.report import markdown_table
+
+    table = markdown_table([run.path])
+    assert "final inputs rejected %" in table and f"{100 * rounds[-1]['inputs_rejected']['main']:.1f}" in table
     main(["list", "defenses"])
     assert "flip" in capsys.readouterr().out

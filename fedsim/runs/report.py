@@ -83,6 +83,8 @@ def run_row(run: Path, label: str | None = None) -> dict:
         "mean_backdoor": sum(bd) / len(bd) if bd else None,
         "final_beyond_clean": _last(rounds, "backdoor_success_beyond_clean"),
         "final_source_acc": _last(rounds, "source_class_accuracy"),
+        "final_rejected": (_last(rounds, "inputs_rejected") or {}).get("main"),
+        "final_backdoor_rejected": (_last(rounds, "inputs_rejected") or {}).get("backdoor"),
         "mb_up": sum(r.get("bytes_up", 0) for r in rounds) / 1e6,
         "seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
         "pipeline_ms": _mean_ms([r["pipeline_seconds"] for r in rounds if r.get("pipeline_seconds") is not None]),
@@ -246,6 +248,10 @@ LEAKAGE_COLUMNS = (  # when a run has privacy attacks
     ("MIA AUC", lambda r: "-" if r["mia_auc"] is None else f"{r['mia_auc']:.3f}"),
     ("MIA TPR@1%FPR %", _pct_of("mia_tpr")),
 )
+REJECTION_COLUMNS = (  # when a run's deployed model refuses low-confidence inputs (FLIP)
+    ("final inputs rejected %", _pct_of("final_rejected")),
+    ("final backdoor inputs rejected %", _pct_of("final_backdoor_rejected")),
+)
 CLOCK_COLUMNS = (  # when a run ran on the federation clock
     ("simulated s", lambda r: _sim(r["sim_time"])),
     ("stragglers", lambda r: str(r["stragglers"])),
@@ -254,12 +260,13 @@ CLOCK_COLUMNS = (  # when a run ran on the federation clock
 
 def runs_table(runs: list[Path], labels: dict[Path, str] | None = None) -> Table:
     """One row per run; runs of a sweep get a column per swept key; the backdoor lifecycle's
-    columns when a run has one, the federation clock's when a run ran on it, the leakage columns
+    columns when a run has one, the rejection shares when a run's model refuses inputs, the federation clock's when a run ran on it, the leakage columns
     when a run has privacy attacks."""
     labels = labels or {}
     keys = sorted({k for run in runs for k in swept_values(run)})
     rows = {run: run_row(run, labels.get(run)) for run in runs}
     columns = (RUN_COLUMNS + (LIFECYCLE_COLUMNS if any(r["lifecycle"] for r in rows.values()) else ())
+               + (REJECTION_COLUMNS if any(r["final_rejected"] is not None for r in rows.values()) else ())
                + (CLOCK_COLUMNS if any(r["sim_time"] is not None for r in rows.values()) else ())
                + (LEAKAGE_COLUMNS if any(r["leakage"] for r in rows.values()) else ()))
     cells = []

@@ -143,17 +143,24 @@ class CentralEvaluator:
 
     def _metrics(self, net: torch.nn.Module, channels_last: bool, device: torch.device,
                  accept: Callable | None = None) -> tuple[dict, np.ndarray]:
-        """(main accuracy and loss, backdoor success and the source class's accuracy when measured;
-        the main predictions) of `net` on `device`; an input `accept` rejects is never a hit."""
+        """(main accuracy and loss, backdoor success and the source class's accuracy when measured,
+        and with a rejection rule the shares it rejects; the main predictions) of `net` on `device`;
+        an input `accept` rejects is never a hit."""
         pred, logits = predict(net, self.x, self.batch_size, channels_last, device)
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(self.y)).item() if len(self.y) else float("nan")
-        correct = (pred == self.y) & _accepted(accept, logits)
+        answered = _accepted(accept, logits)
+        correct = (pred == self.y) & answered
         out = {"main_accuracy": _share(correct), "main_loss": float(loss), "backdoor_success": None}
+        if accept is not None:
+            out["inputs_rejected"] = {"main": _share(~answered)}
         if self.backdoor is not None:
             x_bd, targets = self.backdoor
             bd_pred, bd_logits = predict(net, x_bd, self.batch_size, channels_last, device)
-            hits = (bd_pred == targets) & _accepted(accept, bd_logits)
+            bd_answered = _accepted(accept, bd_logits)
+            hits = (bd_pred == targets) & bd_answered
             out["backdoor_success"] = _share(hits)
+            if accept is not None:
+                out["inputs_rejected"]["backdoor"] = _share(~bd_answered)
             if self.beyond_clean is not None:
                 out["backdoor_success_beyond_clean"] = _share(hits[self.beyond_clean])
         if self.source is not None:

@@ -102,6 +102,8 @@ class RoundRecord:
     backdoor_success_beyond_clean: float | _Unset = UNSET  # the same over the inputs the clean initial model did not
     #   already send to the target (what the attack added; NaN when the clean model sends all of them there)
     source_class_accuracy: float | None | _Unset = UNSET  # edge-case attacks: clean accuracy on the source class
+    inputs_rejected: dict | _Unset = UNSET  # with a defense that refuses low-confidence inputs at inference (FLIP): the share of
+    #   the test set (`main`) and of the backdoor set (`backdoor`, when measured) the deployed model does not answer
     edge_model: dict | _Unset = UNSET  # with evaluation.edge_model, on evaluated rounds: copy name -> its main_accuracy,
     #   main_loss, backdoor_success (+ _beyond_clean, source_class_accuracy when the fp32 line has them) and agreement
     #   (share of test inputs where it predicts the fp32 model's class) (fedsim/models/edge_copy.py, docs/edge_model.md)
