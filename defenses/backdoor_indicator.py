@@ -27,12 +27,13 @@ Each round t:
    and the buffers stay the clients' average (official replace_original_bn: True restores the
    global model's pre-planting statistics too).
 
-The indicator set: `ood_size` inputs (official ood_data_sample_lens: 800) uniform in [0, 1) of the
-data's input shape, the official `NOISE` OOD source (`utils.NoiseDataset`: torch.rand), drawn once
-per scenario and seed; labels 0..K-1 repeated in turn and shuffled (official
-`_get_ood_dataloader`), so every label has ⌊N/K⌋ or ⌈N/K⌉ samples. No download is needed: the
-paper's preferred OOD sets (CIFAR-100 for CIFAR-10, 300K random images) are files fedsim does not
-ship.
+The indicator set: `ood_size` inputs (official ood_data_sample_lens: 800), drawn once per scenario
+and seed: with `ood_source: noise` uniform in [0, 1) of the data's input shape (the official `NOISE`
+source, `utils.NoiseDataset`: torch.rand); with a dataset name, that many distinct training images
+of another registered dataset of the same input shape, in its own normalisation (the official
+natural OOD sets: CIFAR-100 for CIFAR-10, CIFAR-10 for EMNIST; here e.g. Fashion-MNIST for MNIST,
+read from the data folder). Labels 0..K-1 repeated in turn and shuffled (official
+`_get_ood_dataloader`), so every label has ⌊N/K⌋ or ⌈N/K⌉ samples.
 
 Where fedsim differs and why:
 - Where the indicator is planted. The official server plants it into its global model in
@@ -59,7 +60,6 @@ steps on the global model (planting); no in-distribution server data is used.
 
 from __future__ import annotations
 
-from typing import Literal
 
 import numpy as np
 import torch
@@ -76,7 +76,9 @@ EVAL_BATCH = 500
 
 
 class BackdoorIndicatorParams(Params):
-    ood_source: Literal["noise"] = Field("noise", description="OOD inputs of the indicator: uniform noise in [0, 1) (official NOISE source)")
+    ood_source: str = Field("noise", description="OOD inputs of the indicator: noise (uniform in [0, 1), the official NOISE "
+                                                 "source) or a registered dataset whose training images have the task's "
+                                                 "input shape (official: another natural dataset; e.g. fashion_mnist for MNIST)")
     ood_size: int = Field(800, ge=1, le=100_000, description="indicator samples (official ood_data_sample_lens: 800)")
     batch_size: int = Field(64, ge=1, le=100_000, description="planting batch size (official ood_data_batch_size: 64)")
     epochs: int = Field(50, ge=1, le=10_000, description="planting passes over the indicator set (official global_retrain_no_times: 50)")
@@ -88,6 +90,15 @@ class BackdoorIndicatorParams(Params):
     gamma: float = Field(0.8, gt=0, le=1, description="planting lr decay at each milestone (official global_lr_gamma: 0.8)")
     mu: float = Field(0.1, ge=0, le=1e6, description="weight μ of (μ/2)·‖θ - θ_global‖_2 in the planting loss (official watermarking_mu: 0.1)")
     threshold: float = Field(0.85, gt=0, le=1, description="a model whose best per-label indicator accuracy is at least this is flagged (official: 85%)")
+
+    @field_validator("ood_source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        from fedsim.registry import DATASETS
+
+        if v != "noise" and v not in DATASETS.names():
+            raise ValueError(f"ood_source must be noise or a registered dataset ({', '.join(DATASETS.names())}), got {v!r}")
+        return v
 
     @field_validator("milestones")
     @classmethod
@@ -107,10 +118,19 @@ def scenario_problems(sc, index: int) -> list[tuple[str, str, object]]:
     return []
 
 
-def indicator_set(seed: int, size: int, input_shape: tuple[int, ...], num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs [size, *input_shape] uniform in [0, 1), labels [size]: 0..K-1 repeated and shuffled)."""
+def indicator_set(seed: int, size: int, input_shape: tuple[int, ...], num_classes: int,
+                  pool: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs [size, *input_shape], labels [size]: 0..K-1 repeated and shuffled). The inputs are
+    uniform in [0, 1), or, given a `pool` of OOD images [N, *input_shape], `size` distinct ones of
+    them drawn at random (official `_get_ood_dataloader`: a random sample of the OOD dataset)."""
     g = torch.Generator().manual_seed(int(seed))
-    x = torch.rand((size, *input_shape), generator=g)
+    if pool is None:
+        x = torch.rand((size, *input_shape), generator=g)
+    else:
+        if tuple(pool.shape[1:]) != tuple(input_shape) or len(pool) < size:
+            raise ValueError(f"backdoor_indicator.ood_source: its training images are {len(pool)} x {tuple(pool.shape[1:])}; "
+                             f"the indicator needs ood_size={size} images of the task's input shape {tuple(input_shape)}")
+        x = torch.as_tensor(pool[torch.randperm(len(pool), generator=g)[:size].numpy()], dtype=torch.float32)
     labels = torch.arange(size) % num_classes
     return x, labels[torch.randperm(size, generator=g)]
 
@@ -161,8 +181,10 @@ class BackdoorIndicator(Defense):
     """BackdoorIndicator: plant OOD samples with labels into the broadcast model, flag models that keep them (Li & Dai 2024)."""
 
     def _indicator(self, tools) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.params
         seed = derive_seed(tools.rt.scenario.seed, SERVER, INDICATOR_DATA)
-        return indicator_set(seed, self.params.ood_size, tuple(tools.input_shape), tools.num_classes)
+        pool = None if p.ood_source == "noise" else tools.rt.load_dataset(p.ood_source).x_train
+        return indicator_set(seed, p.ood_size, tuple(tools.input_shape), tools.num_classes, pool)
 
     def before(self, batch: UpdateBatch, ctx: RoundContext) -> tuple[UpdateBatch, dict]:
         n = batch.updates.shape[0]

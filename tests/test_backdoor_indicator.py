@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -25,6 +26,22 @@ def test_indicator_set_is_seeded_and_its_labels_balanced():
     assert torch.equal(x, x2) and torch.equal(labels, labels2)
     assert x.shape == (23, 1, 4, 4) and float(x.min()) >= 0 and float(x.max()) < 1
     assert sorted(torch.bincount(labels, minlength=10).tolist()) == [2] * 7 + [3] * 3
+
+
+def test_indicator_set_from_a_dataset_draws_distinct_seeded_images():
+    pool = np.arange(50 * 4, dtype=np.float32).reshape(50, 1, 2, 2)  # image i holds 4i..4i+3
+    x, labels = indicator_set(5, 23, (1, 2, 2), 10, pool)
+    x2, labels2 = indicator_set(5, 23, (1, 2, 2), 10, pool)
+    assert torch.equal(x, x2) and torch.equal(labels, labels2) and x.shape == (23, 1, 2, 2)
+    rows = (x[:, 0, 0, 0] / 4).long()
+    assert len(set(rows.tolist())) == 23 and torch.equal(x, torch.from_numpy(pool[rows.numpy()]))
+    assert sorted(torch.bincount(labels, minlength=10).tolist()) == [2] * 7 + [3] * 3
+    with pytest.raises(ValueError, match="ood_source.*input shape"):
+        indicator_set(5, 23, (1, 4, 4), 10, pool)
+    with pytest.raises(ValueError, match="ood_size=60"):
+        indicator_set(5, 60, (1, 2, 2), 10, pool)
+    with pytest.raises(Exception, match="ood_source.*fashion_mnist"):
+        BackdoorIndicatorParams(ood_source="imagenet")
 
 
 class Probe(nn.Module):
@@ -118,9 +135,10 @@ def test_registered_with_the_official_defaults_and_a_server_optimizer_is_refused
         quick_scenario("defenses=[{name: backdoor_indicator}]", "server.momentum=0.9")
 
 
-def test_digits_run_plants_and_then_measures(tmp_path):
+@pytest.mark.parametrize("source", ["noise", "digits"])
+def test_digits_run_plants_and_then_measures(tmp_path, source):
     scenario = quick_scenario(
-        "aggregator=fedavg", "defenses=[{name: backdoor_indicator, ood_size: 40, epochs: 3}]",
+        "aggregator=fedavg", f"defenses=[{{name: backdoor_indicator, ood_size: 40, epochs: 3, ood_source: {source}}}]",
         federation={"num_clients": 4, "clients_per_round": 3, "rounds": 2, "local_epochs": 1},
     )
     rounds = run_local(scenario, tmp_path).rounds
