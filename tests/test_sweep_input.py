@@ -22,6 +22,11 @@ BASE = "base: {base}\nfederation: {{rounds: 1}}\n"
     ("sweep:\n  federation.rounds: 3\n", "non-empty list"),
     ("x: &x [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]\nsweep: {seed: *x, federation.rounds: *x, federation.lr_decay: *x, "
      "evaluation.every: *x, federation.local_epochs: *x, federation.batch_size: *x}\n", f"more than {MAX_RUNS} runs"),
+    # a plain section set as a whole would silently drop the keys the scenario sets there
+    ("sweep:\n  setting:\n    - {label: small, federation: {batch_size: 2}}\n",
+     "sets the section `federation` as a whole, which would drop what the scenario sets there (clients_per_round, "
+     "local_epochs, lr, momentum, num_clients, rounds): set dotted keys instead (federation.batch_size: ...)"),
+    ("sweep:\n  federation: [{rounds: 2}]\n", "(batch_size, clients_per_round, local_epochs, lr, momentum, num_clients)"),
 ])
 def test_bad_sweeps_are_refused(tmp_path, capsys, body, needle):
     path = tmp_path / "sweep.yaml"
@@ -30,6 +35,17 @@ def test_bad_sweeps_are_refused(tmp_path, capsys, body, needle):
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and time.monotonic() - t0 < 10, err
+
+
+def test_a_section_set_with_dotted_keys_or_in_full_keeps_or_replaces_it_on_purpose(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(BASE.format(base=REPO / "scenarios/quickstart.yaml") + "sweep:\n  setting:\n"
+                    "    - {label: dotted, federation.batch_size: 2}\n"
+                    "    - {label: whole, federation: {num_clients: 4, clients_per_round: 2, rounds: 1, batch_size: 3,"
+                    " local_epochs: 1, lr: 0.05, momentum: 0.0}}\n")
+    _, runs = expand(path)
+    fed = [r.scenario.federation for r in runs]
+    assert [(f.num_clients, f.clients_per_round, f.rounds, f.batch_size) for f in fed] == [(20, 10, 1, 2), (4, 2, 1, 3)]
 
 
 def test_values_with_odd_names_and_keys_still_make_run_names(tmp_path):

@@ -11,7 +11,10 @@ sweep:
 
 A swept key that is not a scenario section is a *case axis*: each of its values is a mapping of
 dotted scenario keys set together, with an optional `label` naming the case (a robust rule and a
-defense are one case: `aggregator: fedavg, defenses: [flame]`):
+defense are one case: `aggregator: fedavg, defenses: [flame]`). A value sets its key whole; one
+that sets a plain section (a mapping naming no component) while the scenario sets other keys
+there is refused, naming them, since they would fall back to their defaults unseen
+(`federation.batch_size: 2`, not `federation: {batch_size: 2}`):
 
 ```yaml
 sweep:
@@ -200,11 +203,30 @@ class Grid:
             this = copy.deepcopy(self.base)
             for k, v in values.items():
                 for key, value in (_case_settings(self.path, k, v) if k in cases else [(k, v)]):
+                    self._check_whole_section(this, k, v, key, value)
                     _set(this, key, value)
             name = "__".join(f"{k.split('.')[-1]}={_case_label(v) if k in cases else _token(v)}" for k, v in values.items())
             this["name"] = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:150]
             out.append((name, values, this))
         return out
+
+    def _check_whole_section(self, raw: dict, axis: str, case: Any, key: str, value: Any) -> None:
+        """A swept value sets `key` as a whole. Where that is a plain section (a mapping naming no
+        component, e.g. `federation`) and the scenario so far has keys there the value leaves out,
+        those keys would silently fall back to their defaults: refused, naming them."""
+        node: Any = raw
+        for part in str(key).split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if not (isinstance(node, dict) and isinstance(value, dict)) or "name" in node or "name" in value:
+            return
+        lost = sorted(str(k) for k in node if k not in value)
+        if lost:
+            first = next(iter(value), "KEY")
+            label = f"[{_case_label(case)}]" if isinstance(case, dict) else ""
+            raise ScenarioError(str(self.path), [(f"sweep.{axis}{label}", f"sets the section `{key}` as a whole, which would drop "
+                                                  f"what the scenario sets there ({', '.join(lost)}): set dotted keys "
+                                                  f"instead ({key}.{first}: ...), or repeat those keys to replace it on purpose",
+                                                  value)])
 
     def validated(self) -> list[SweepRun]:
         """Each run validated; all problems are reported together."""
