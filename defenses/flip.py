@@ -270,6 +270,7 @@ def client_side_problems(sc, index: int) -> list[tuple[str, str, Any]]:
 
 
 @DEFENSES.register("flip", FLIPParams, client_training="fedsim.defenses.flip:flip_train",
-                   inference="fedsim.defenses.flip:flip_inference", scenario_check=client_side_problems)
+                   inference="fedsim.defenses.flip:flip_inference", scenario_check=client_side_problems,
+                   reads_updates=False)
 class FLIP(Defense):
     """FLIP: honest clients invert triggers and train on them correctly labelled; low-confidence predictions are rejected (Zhang et al. 2023)."""

@@ -87,6 +87,7 @@ class DefenseTraits:
     fixed_layers: Callable[[Any], bool] = _never  # spec -> whether it cannot follow a low-rank switch
     certify: Any = None  # "module:function" certifying the global model at evaluation (CRFL)
     secure_alternative: str | None = None  # under secure aggregation: what replaces it on the clients
+    reads_updates: bool = True  # its server part reads the individual updates (False: it runs under secure aggregation)
     # "module:function" an honest client trains with in place of plain `train` (FLIP, Lockdown):
     # (spec, fedsim.client.steps.HonestTraining) -> (update, stats); honest clients then train one by one
     client_training: Any = None

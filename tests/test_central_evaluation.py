@@ -75,3 +75,26 @@ def test_backdoor_success_beyond_what_the_clean_model_already_does():
     assert 0 < fresh.sum() < 50
     assert got["backdoor_success"] == float((now == target).mean())
     assert got["backdoor_success_beyond_clean"] == float((now[fresh] == target).mean())
+
+
+def test_inputs_a_deployed_model_refuses_are_counted_and_never_correct():
+    """FLIP's rejection (top softmax below τ) against a naive count: τ at the median confidence
+    rejects about half of each set; a rejected input is never a hit."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(200, 1, 28, 28)).astype(np.float32)
+    x_bd = rng.normal(size=(60, 1, 28, 28)).astype(np.float32)
+    torch.manual_seed(2)
+    model = LeNet((1, 28, 28), 10).eval()
+    with torch.no_grad():
+        probs, probs_bd = (torch.softmax(model(torch.from_numpy(a)), dim=1) for a in (x, x_bd))
+    tau = float(probs.amax(dim=1).median())
+    y = probs.argmax(1).numpy().copy()
+    y[::3] = (y[::3] + 1) % 10  # a third wrong, the rest right
+    t_bd = probs_bd.argmax(1).numpy()
+    scenario = load_scenario("scenarios/quickstart.yaml", [f"defenses=[{{name: flip, confidence_threshold: {tau}}}]"])
+    got = CentralEvaluator(_Runtime(scenario, x, y, (x_bd, t_bd)))(model)
+    answered, answered_bd = (probs.amax(dim=1) >= tau).numpy(), (probs_bd.amax(dim=1) >= tau).numpy()
+    assert 0.3 < answered.mean() < 0.7
+    assert got["inputs_rejected"] == {"main": float((~answered).mean()), "backdoor": float((~answered_bd).mean())}
+    assert got["main_accuracy"] == float(((probs.argmax(1).numpy() == y) & answered).mean())
+    assert got["backdoor_success"] == float(answered_bd.mean())  # every backdoor input is sent to its "target"

@@ -172,3 +172,19 @@ def test_digits_run_and_listed(tmp_path, capsys):
     assert "final inputs rejected %" in table and f"{100 * rounds[-1]['inputs_rejected']['main']:.1f}" in table
     main(["list", "defenses"])
     assert "flip" in capsys.readouterr().out
+
+
+def test_runs_under_secure_aggregation_as_without_it(tmp_path):
+    """FLIP's server part reads no individual update (its work is the clients' and the deployed
+    model's), so secure aggregation admits it and changes only SecAgg+'s quantisation; Lockdown's
+    server part reads every mask and is refused."""
+    flip = [{"name": "flip", "warmup_steps": 20, "steps": 10, "confidence_threshold": 0.15}]  # rejects 14% then 81%
+    runs = [run_local(quick_scenario(attack=TAIL_ATTACK, defenses=flip, **extra), tmp_path / name).rounds
+            for name, extra in (("plain", {}), ("secure", {"secure_aggregation": {"name": "secaggplus"}}))]
+    plain, secure = runs
+    assert all("secure_aggregation" in r for r in secure) and not any("secure_aggregation" in r for r in plain)
+    for a, b in zip(plain, secure):
+        assert a["main_accuracy"] == pytest.approx(b["main_accuracy"], abs=0.02)
+        assert 0 < a["inputs_rejected"]["main"] == pytest.approx(b["inputs_rejected"]["main"], abs=0.02)
+    with pytest.raises(Exception, match="defense lockdown runs on the server over the individual updates"):
+        quick_scenario(attack=None, defenses=[{"name": "lockdown"}], secure_aggregation={"name": "secaggplus"})

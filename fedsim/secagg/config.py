@@ -218,6 +218,8 @@ def secure_aggregation_problems(sc) -> list[tuple[str, str, Any]]:
             field, why, value = problem
             out.append((field, f"{why}; {hidden}", value))
     for i, d in enumerate(sc.defenses):
+        if not DEFENSES.get(d.name).traits.reads_updates:
+            continue
         alternative = DEFENSES.get(d.name).traits.secure_alternative
         hint = f" Use {alternative}" if alternative else ""
         out.append((f"defenses.{i}", f"defense {d.name} runs on the server over the individual updates; {hidden}.{hint}",
