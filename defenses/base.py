@@ -9,6 +9,8 @@ on the instance and is exposed by `state_dict()` / `load_state_dict()` so a run 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fedsim.updates import RoundContext, UpdateBatch
@@ -25,6 +27,12 @@ class Defense:
 
     def after(self, aggregate: torch.Tensor, ctx: RoundContext) -> tuple[torch.Tensor, dict]:
         return aggregate, {}
+
+    def deployed_state(self) -> Any:
+        """What this defense's `inference` part (its registry trait) needs to build the deployed model
+        after the round just aggregated: a snapshot, since the next round changes the state while the
+        evaluation may still run beside it. None: nothing."""
+        return None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}

@@ -248,7 +248,7 @@ def confidence_accept(threshold: float):
     return accept
 
 
-def flip_inference(spec: FLIPParams, model: torch.nn.Module, runtime: Any, rnd: int | None):
+def flip_inference(spec: FLIPParams, model: torch.nn.Module, runtime: Any, rnd: int | None, state: Any = None):
     """The model as it is, with FLIP's rejection of low-confidence inputs (none at τ = 0)."""
     return model, (confidence_accept(spec.confidence_threshold) if spec.confidence_threshold > 0 else None)
 

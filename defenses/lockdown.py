@@ -71,8 +71,6 @@ from fedsim.updates import RoundContext, UpdateBatch
 LOCKDOWN_STREAM = 0x10C  # seed stream of the shared initial mask and random regrowth
 TOTAL_MASK_EPS = 1e-8  # the code's total_mask = 1e-8 + Σ masks
 SUPPORT_MARK = torch.finfo(torch.float32).tiny  # a mask coordinate whose update is exactly 0 is sent as this
-MAILBOX = ("lockdown", "consensus")  # runtime cache: round -> (Σ seen masks, clients seen), for the evaluation
-KEEP_ROUNDS = 4  # rounds of consensus the mailbox keeps (an evaluation runs at most one round behind)
 
 
 class LockdownParams(Params):
@@ -263,14 +261,14 @@ def lockdown_train(spec: LockdownParams, job) -> tuple[torch.Tensor, dict]:
 
 
 # --- the server ------------------------------------------------------------------------------------
-def lockdown_inference(spec: LockdownParams, model: torch.nn.Module, runtime: Any, rnd: int | None):
+def lockdown_inference(spec: LockdownParams, model: torch.nn.Module, runtime: Any, rnd: int | None,
+                       state: tuple[torch.Tensor, int] | None = None):
     """Consensus fusion: a copy of `model` with every parameter fewer than θ clients' masks hold set
-    to 0, the masks as the server knew them after round `rnd` (the latest before it, if any)."""
+    to 0, the masks as the server knew them after round `rnd`: `state` is the defense's
+    `deployed_state()` then (Σ of the masks seen, clients seen; None before any: all initial)."""
     layout = ModelLayout.of(model).trainable_only()
     num_clients = runtime.scenario.federation.num_clients
-    box = runtime.cached(MAILBOX, dict)
-    rounds = [r for r in list(box) if rnd is None or r <= rnd]
-    seen_sum, seen = box[max(rounds)] if rounds else (torch.zeros(layout.dim, dtype=torch.int32), 0)
+    seen_sum, seen = state if state is not None else (torch.zeros(layout.dim, dtype=torch.int32), 0)
     if seen_sum.numel() != layout.dim:
         raise ValueError(f"lockdown: the masks cover {seen_sum.numel()} parameters, the model has {layout.dim}")
     initial = shared_initial_mask(runtime, spec, layout)
@@ -328,14 +326,12 @@ class Lockdown(Defense):
         for i, pid in enumerate(batch.client_ids):
             self._see(int(pid), support[i])
         self._average = (ctx.round, mask_average(batch.updates))
-        runtime = getattr(ctx.tools, "rt", None)  # the server's runtime (fedsim/server/tools.py), where there is one
-        if runtime is not None:  # what the evaluation of this round fuses by (lockdown_inference)
-            box = runtime.cached(MAILBOX, dict)
-            box[ctx.round] = (self.mask_sum.clone(), len(self.masks))
-            for old in sorted(box)[:-KEEP_ROUNDS]:
-                box.pop(old, None)
         density = support.float().mean(1).tolist()
         return batch, {"mask_density": dict(zip(batch.client_ids, density))}
+
+    def deployed_state(self) -> tuple[torch.Tensor, int] | None:
+        """(Σ of the masks seen, clients seen) for consensus fusion at the evaluation (lockdown_inference)."""
+        return None if self.mask_sum is None else (self.mask_sum.clone(), len(self.masks))
 
     def after(self, aggregate: torch.Tensor, ctx: RoundContext) -> tuple[torch.Tensor, dict]:
         if self._average is None or self._average[0] != ctx.round:

@@ -92,7 +92,8 @@ class DefenseTraits:
     # (spec, fedsim.client.steps.HonestTraining) -> (update, stats); honest clients then train one by one
     client_training: Any = None
     # "module:function" giving the model the server deploys and its rejection rule, applied before
-    # the central evaluation: (spec, model, runtime, round) -> (model, accept(logits) -> bool [n] | None)
+    # the central evaluation: (spec, model, runtime, round, the defense's deployed_state() after that round)
+    #   -> (model, accept(logits) -> bool [n] | None)
     inference: Any = None
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import TAIL_ATTACK, quick_scenario, round_context, run_local, update_batch
 from fedsim.client.steps import local_update
 from fedsim.defenses.lockdown import (
-    MAILBOX, SUPPORT_MARK, Lockdown, LockdownParams, consensus, drop_ratio, initial_mask, layer_densities,
+    SUPPORT_MARK, Lockdown, LockdownParams, consensus, drop_ratio, initial_mask, layer_densities,
     lockdown_inference, mask_average, prune, quorum_count, regrow, shared_initial_mask, unpack,
 )
 from fedsim.models.layout import ModelLayout
@@ -130,7 +130,8 @@ def test_server_average_quorum_masks_and_checkpoint():
     assert info == {"quorum": 3}
     # consensus fusion after round 1: three clients' masks as sent, three still on the initial mask
     count = sum(m.int() for m in masks) + 3 * initial.int()
-    fused, accept = lockdown_inference(LockdownParams(quorum=0.5), model, rt, 1)
+    after_1 = defense.deployed_state()
+    fused, accept = lockdown_inference(LockdownParams(quorum=0.5), model, rt, 1, after_1)
     assert accept is None
     flat = layout.flatten_model(model)
     assert torch.equal(layout.flatten_model(fused), flat * (count >= 3))
@@ -141,9 +142,16 @@ def test_server_average_quorum_masks_and_checkpoint():
                                                                              rnd=2, tools=tools))
     count2 = masks[0].int() + new.int() + masks[2].int() + 3 * initial.int()
     assert torch.equal(defense.mask_sum, masks[0].int() + new.int() + masks[2].int())
-    assert torch.equal(layout.flatten_model(lockdown_inference(LockdownParams(quorum=0.5), model, rt, 2)[0]), flat * (count2 >= 3))
-    assert torch.equal(layout.flatten_model(lockdown_inference(LockdownParams(quorum=0.5), model, rt, 1)[0]), flat * (count >= 3))
-    assert sorted(rt.cached(MAILBOX, dict)) == [1, 2]
+    after_2 = defense.deployed_state()
+    assert after_2[1] == 3 and torch.equal(after_2[0], defense.mask_sum)
+    assert torch.equal(layout.flatten_model(lockdown_inference(LockdownParams(quorum=0.5), model, rt, 2, after_2)[0]),
+                       flat * (count2 >= 3))
+    # a snapshot: round 1's state is what it was (an evaluation one round behind fuses by it)
+    assert torch.equal(layout.flatten_model(lockdown_inference(LockdownParams(quorum=0.5), model, rt, 1, after_1)[0]),
+                       flat * (count >= 3))
+    # before any round every client holds its initial mask
+    none_yet = lockdown_inference(LockdownParams(quorum=0.5), model, rt, 0, None)[0]
+    assert torch.equal(layout.flatten_model(none_yet), flat * (6 * initial.int() >= 3))
     restored = Lockdown(LockdownParams(quorum=0.5), federation=fed)
     restored.load_state_dict(defense.state_dict())
     assert torch.equal(restored.mask_sum, defense.mask_sum) and sorted(restored.masks) == [0, 3, 4]

@@ -92,7 +92,9 @@ class RoundCloser:
             driver.checkpoint(rnd)  # before the line: a written line always has its checkpoint
         evaluate = rnd == 0 or rnd % ev.every == 0 or last
         model = driver.global_model() if evaluate else None  # a snapshot: the next round replaces the global model
-        close = (rnd, record, model, timing, driver.started)
+        # what inference-time defenses deploy by after this round (Lockdown's mask counts), snapshotted with it
+        deployed = driver.pipeline.deployed_states() if evaluate and driver.pipeline is not None and rnd else None
+        close = (rnd, record, model, deployed, timing, driver.started)
         if self.overlap and (not last or self.defer_last_round):
             # beside the next round: one thread by default (the client actors have the cores);
             # the last round's, deferred past the engine's shutdown: as many as in line
@@ -118,12 +120,12 @@ class RoundCloser:
         torch.set_num_threads(threads)
         return self._close(*close)
 
-    def _close(self, rnd: int, record: RoundRecord, model, timing: dict, started: float) -> dict:
+    def _close(self, rnd: int, record: RoundRecord, model, deployed: list | None, timing: dict, started: float) -> dict:
         """Evaluate (if `model` is given), then write the round's line; runs in the background thread
         or, for the last round and without overlap, in the server thread."""
         if model is not None:
             t_eval = time.perf_counter()
-            record.update(self.driver.evaluator(model, rnd))
+            record.update(self.driver.evaluator(model, rnd, deployed))
             timing["evaluate"] = time.perf_counter() - t_eval
         now = time.perf_counter()
         if rnd:

@@ -55,9 +55,9 @@ class CentralEvaluator:
         # defenses that certify the global model (CRFL): (name, spec, certify function)
         certify = [(d.name, d, DEFENSES.get(d.name).load("certify")) for d in scenario.defenses]
         self.certifiers = [c for c in certify if c[2] is not None]
-        # defenses that deploy another model or reject inputs at inference (Lockdown, FLIP): (spec, function)
-        inference = [(d, DEFENSES.get(d.name).load("inference")) for d in scenario.defenses]
-        self.inference = [(d, fn) for d, fn in inference if fn is not None]
+        # defenses that deploy another model or reject inputs at inference (Lockdown, FLIP): (index, spec, function)
+        inference = [(i, d, DEFENSES.get(d.name).load("inference")) for i, d in enumerate(scenario.defenses)]
+        self.inference = [(i, d, fn) for i, d, fn in inference if fn is not None]
         self.edge_specs = [(f"evaluation.edge_model[{i}]", spec) for i, spec in enumerate(scenario.evaluation.edge_model)]
         # a static int8 copy's calibration inputs: a fixed seeded subset of the evaluated test set
         need = max((s.calibration for _, s in self.edge_specs if s.quantize == "int8_static"), default=0)
@@ -96,23 +96,25 @@ class CentralEvaluator:
                 out[name] = fn(spec, model, sets, derive_seed(self.scenario.seed, SERVER, CERTIFY, rnd), rnd=rnd)
         return out or None
 
-    def deploy(self, model: torch.nn.Module, rnd: int | None) -> tuple[torch.nn.Module, Callable | None]:
+    def deploy(self, model: torch.nn.Module, rnd: int | None, deployed: list | None = None) -> tuple[torch.nn.Module, Callable | None]:
         """The model the server deploys after round `rnd` and its rejection rule (logits -> bool [n]:
-        accepted; None accepts all): each inference defense's, in the scenario's order. `model` is
-        never changed in place."""
+        accepted; None accepts all): each inference defense's, in the scenario's order, given its
+        `deployed_state()` after that round (`deployed`: one per scenario defense; None: none yet).
+        `model` is never changed in place."""
         accepts = []
-        for spec, fn in self.inference:
-            model, accept = fn(spec, model, self.runtime, rnd)
+        for index, spec, fn in self.inference:
+            model, accept = fn(spec, model, self.runtime, rnd, None if deployed is None else deployed[index])
             if accept is not None:
                 accepts.append(accept)
         if not accepts:
             return model, None
         return model, lambda logits: functools.reduce(torch.logical_and, (a(logits) for a in accepts))
 
-    def __call__(self, model: torch.nn.Module, rnd: int | None = None) -> dict:
+    def __call__(self, model: torch.nn.Module, rnd: int | None = None, deployed: list | None = None) -> dict:
         """One forward pass over each set: the source-class accuracy reuses the main predictions.
-        With `rnd`, the certifying defenses' numbers of that round come under `certification`."""
-        model, accept = self.deploy(model, rnd)
+        With `rnd`, the certifying defenses' numbers of that round come under `certification`;
+        `deployed`: the defenses' deployed states after it (`deploy`)."""
+        model, accept = self.deploy(model, rnd, deployed)
         given, on_cpu = model, self.device.type == "cpu"
         channels_last = self.x.ndim == 4 and on_cpu  # image models: NHWC convolutions are faster on CPU
         if channels_last:

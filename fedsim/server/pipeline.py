@@ -215,6 +215,11 @@ class RoundPipeline:
         if self.attack_stateful:  # a checkpoint without it (older, or saved before any attack round): a fresh start
             self.attack.load_state_dict(state.get("attack", {}))
 
+    def deployed_states(self) -> list:
+        """Each defense's `deployed_state()` now, in the scenario's order (what the evaluation of the
+        round just aggregated deploys by)."""
+        return [d.deployed_state() for _, d in self.defenses]
+
     @property
     def defense_names(self) -> list[str]:
         return [name for name, _ in self.defenses]
