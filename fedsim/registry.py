@@ -125,6 +125,8 @@ class DatasetTraits:
 @dataclass(frozen=True)
 class ModelTraits:
     resize: Callable | None = None  # (input_shape, num_classes, params, widths) -> the net with other hidden widths
+    replanted: Callable | None = None  # params -> names of parameters a (malicious) server writes back to their
+    #   initial values after every server step, so every broadcast carries them (Robbing the Fed's imprint block)
 
 
 @dataclass(frozen=True)

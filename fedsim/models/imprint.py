@@ -127,6 +127,16 @@ class ImprintParams(Params):
     connection: Literal["addition", "linear"] = Field(
         "addition", description="how the block's output returns to the input's shape: addition (input + the rows' "
         "mean: the body sees the input) or linear (the official config's k → input layer: the body sees only the measurement)")
+    replant: bool = Field(False, description="the server writes the block back to its planted weights after every "
+                          "server step, so each round's broadcast carries it (as a malicious server may); false: the "
+                          "block trains with the model and blurs after a round or two")
+
+
+def replanted(params: ImprintParams) -> tuple[str, ...]:
+    """The parameters a re-planting server writes back before each broadcast: the block's."""
+    if not params.replant:
+        return ()
+    return ("imprint.weight", "imprint.bias") + (("back.weight", "back.bias") if params.connection == "linear" else ())
 
 
 def measurement_vector(kind: str, size: int, mode: int = 32, seed: int = 0) -> torch.Tensor:
@@ -209,7 +219,7 @@ class ImprintModel(nn.Module):
         return nets.features(self.body, self.block(x))
 
 
-@MODELS.register("imprint", ImprintParams)
+@MODELS.register("imprint", ImprintParams, replanted=replanted)
 def imprint(input_shape: tuple[int, ...], num_classes: int, params: ImprintParams) -> nn.Module:
     """Robbing the Fed's malicious imprint block before a body net (Fowl et al., ICLR 2022): inputs leak from sums."""
     entry = MODELS.get(params.body.name)

@@ -27,6 +27,7 @@ from fedsim.clock.clock import FederationClock
 from fedsim.devices import deterministic_switches_on, resolve_device
 from fedsim.lowrank.switch import LowRankSwitch
 from fedsim.privacy.local import LocalPrivacyLedger
+from fedsim.registry import MODELS
 from fedsim.runs.checkpoint import save_server
 from fedsim.runs.detection import round_detection
 from fedsim.scenario import scenario_fingerprint
@@ -56,11 +57,17 @@ class RoundPlan:
 
 
 class SwitchingModel:
-    """The global model as one flat vector, factorized once if the scenario's low-rank scheme says so."""
+    """The global model as one flat vector, factorized once if the scenario's low-rank scheme says so;
+    parameters the model's registry entry marks `replanted` are written back to their initial values
+    after every server step (a malicious server re-planting Robbing the Fed's imprint block)."""
 
     def __init__(self, runtime) -> None:
         self.lowrank = LowRankSwitch(runtime, runtime.scenario.lowrank)
         self.vec = self.lowrank.start(runtime.initial_weights())
+        spec = runtime.scenario.model
+        replanted = MODELS.get(spec.name).traits.replanted
+        layout = self.layout()
+        self.planted = {name: self.vec[layout.slice(name)].clone() for name in (replanted(spec) if replanted else ())}
 
     def layout(self):
         return self.lowrank.layout()
@@ -69,7 +76,15 @@ class SwitchingModel:
         return self.lowrank.model(self.vec)
 
     def after_round(self, rnd: int) -> dict | None:
-        """Factorize now if the scheme says so; returns the switch's report, else None."""
+        """Re-plant, then factorize now if the scheme says so; returns the switch's report, else None."""
+        if self.planted:
+            layout, vec = self.layout(), self.vec.clone()
+            for name, value in self.planted.items():
+                if name not in layout.names:
+                    raise ValueError(f"model: the re-planted parameter {name} is gone from the model (a low-rank switch "
+                                     "factorized it); drop model.replant or the low-rank scheme")
+                vec[layout.slice(name)] = value
+            self.vec = vec
         self.vec, switch = self.lowrank.after_round(rnd, self.vec)
         return switch
 
