@@ -103,7 +103,7 @@ def test_evaluator_measures_the_deployed_model_with_its_rejection():
 
 
 @pytest.mark.parametrize("extra,field", [
-    ({"secure_aggregation": "secaggplus"}, "defenses.0"),
+    ({"secure_aggregation": "secaggplus", "defenses": [{"name": "lockdown"}]}, "defenses.0"),  # FLIP runs under it
     ({"aggregator": {"name": "fedma"}}, "defenses"),
     ({"aggregator": {"name": "detox", "group_size": 3, "redundancy": True}}, "aggregator.redundancy"),
     ({"defenses": [FLIP, {"name": "lockdown"}]}, "defenses.1"),

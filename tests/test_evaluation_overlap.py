@@ -56,9 +56,9 @@ def test_evaluation_really_overlaps_and_lines_stay_ordered_with_checkpoints(tmp_
     events = []
     slow = CentralEvaluator.__call__
 
-    def slow_evaluation(self, model, rnd=None):
+    def slow_evaluation(self, model, rnd=None, deployed=None):
         time.sleep(0.3)
-        return slow(self, model, rnd)
+        return slow(self, model, rnd, deployed)
 
     started = ScenarioStrategy.configure_train
 
@@ -95,9 +95,9 @@ def test_an_interrupted_run_keeps_the_line_being_evaluated(tmp_path, monkeypatch
     the run stops with that error, and round 2's line is written all the same."""
     slow = CentralEvaluator.__call__
 
-    def slow_evaluation(self, model, rnd=None):
+    def slow_evaluation(self, model, rnd=None, deployed=None):
         time.sleep(0.5)
-        return slow(self, model, rnd)
+        return slow(self, model, rnd, deployed)
 
     aggregate = ScenarioStrategy.aggregate_train
 
@@ -123,11 +123,11 @@ def test_an_error_in_the_background_evaluation_stops_the_run(tmp_path, monkeypat
     ok = CentralEvaluator.__call__
     calls = {"n": 0}
 
-    def failing_evaluation(self, model, rnd=None):
+    def failing_evaluation(self, model, rnd=None, deployed=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise ValueError("evaluation blew up in round 2")
-        return ok(self, model, rnd)
+        return ok(self, model, rnd, deployed)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", failing_evaluation)
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK + ["evaluation.overlap=true"])
@@ -157,9 +157,9 @@ def test_evaluation_threads(tmp_path, monkeypatch, overrides, expected):
     ok = CentralEvaluator.__call__
     server_threads = torch.get_num_threads()
 
-    def recording(self, model, rnd=None):
+    def recording(self, model, rnd=None, deployed=None):
         seen[len(seen) + 1] = torch.get_num_threads()
-        return ok(self, model, rnd)
+        return ok(self, model, rnd, deployed)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", recording)
     overlap = "evaluation.overlap=false" not in overrides
@@ -179,10 +179,10 @@ def test_deferred_last_evaluation_completes_after_return(tmp_path, monkeypatch):
     slow = CentralEvaluator.__call__
     threads = []
 
-    def slow_evaluation(self, model, rnd=None):
+    def slow_evaluation(self, model, rnd=None, deployed=None):
         time.sleep(0.4)
         threads.append(torch.get_num_threads())
-        return slow(self, model, rnd)
+        return slow(self, model, rnd, deployed)
 
     monkeypatch.setattr(CentralEvaluator, "__call__", slow_evaluation)
     scenario = load_scenario("scenarios/quickstart.yaml", QUICK)
