@@ -83,8 +83,7 @@ def run_row(run: Path, label: str | None = None) -> dict:
         "mean_backdoor": sum(bd) / len(bd) if bd else None,
         "final_beyond_clean": _last(rounds, "backdoor_success_beyond_clean"),
         "final_source_acc": _last(rounds, "source_class_accuracy"),
-        "final_rejected": (_last(rounds, "inputs_rejected") or {}).get("main"),
-        "final_backdoor_rejected": (_last(rounds, "inputs_rejected") or {}).get("backdoor"),
+        **rejection_columns(rounds),
         "mb_up": sum(r.get("bytes_up", 0) for r in rounds) / 1e6,
         "seconds": sum(r.get("wall_seconds", 0.0) for r in rounds),
         "pipeline_ms": _mean_ms([r["pipeline_seconds"] for r in rounds if r.get("pipeline_seconds") is not None]),
@@ -94,6 +93,12 @@ def run_row(run: Path, label: str | None = None) -> dict:
         **lifecycle_columns(run),
         **leakage_columns(rounds),
     }
+
+
+def rejection_columns(rounds: list[dict]) -> dict:
+    """The last evaluated round's shares of the test and backdoor sets the deployed model refused (FLIP)."""
+    last = _last(rounds, "inputs_rejected") or {}
+    return {"final_rejected": last.get("main"), "final_backdoor_rejected": last.get("backdoor")}
 
 
 def leakage_columns(rounds: list[dict]) -> dict:
